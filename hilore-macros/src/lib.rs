@@ -1,1 +1,28 @@
+//! `#[recovery_unit]`: marks a function whose saved state HiLoRe manages as one unit.
+//!
+//! Use it through `hilore_runtime::recovery_unit`; see that crate for the semantics. The
+//! macro runs as a pipeline, one module per phase: [`attr`] parses the arguments, [`ast`]
+//! reads the signature, [`valid`] checks what can be checked at compile time, [`expand`]
+//! generates the descriptor, its registration, the recompute closure and the wrapper.
+//! Every error carries the span of the user's tokens; all errors are reported at once, and
+//! on error the original function is still emitted so the rest of the crate type-checks.
 
+mod ast;
+mod attr;
+mod ctxt;
+mod expand;
+mod valid;
+
+use proc_macro::TokenStream;
+
+/// Marks a function as a recovery unit. Arguments:
+///
+/// - `cost = <expr>` (required): an estimate of the unit's forward cost (e.g. FLOPs),
+///   evaluated on the live inputs; may use `?`.
+/// - `deterministic`: the body replays bit-identically, so the unit may be recomputed.
+/// - `name = "..."`: the unit's name in plans and reports (default: the function's name).
+/// - `codecs = ["bf16", ...]`: the only codecs the Compress fidelity may use.
+#[proc_macro_attribute]
+pub fn recovery_unit(args: TokenStream, item: TokenStream) -> TokenStream {
+    expand::recovery_unit(args.into(), item.into()).into()
+}

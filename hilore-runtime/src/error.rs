@@ -1,0 +1,54 @@
+//! Errors of the runtime.
+
+/// Every error the tape, the units and the plans can report.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// An error of the tensor library.
+    #[error(transparent)]
+    Candle(#[from] candle_core::Error),
+    /// An error of a codec.
+    #[error("codec error in unit `{unit}`: {source}")]
+    Codec {
+        unit: String,
+        #[source]
+        source: hilore_kernels::CodecError,
+    },
+    /// A codec name that no codec answers to.
+    #[error(transparent)]
+    UnknownCodec(#[from] hilore_kernels::CodecError),
+    /// The plan asked for `Recompute` on a unit that is not declared `deterministic`.
+    #[error("unit `{unit}` is not declared `deterministic`, so it cannot be recomputed; give it the Store or Compress fidelity, or mark it `#[recovery_unit(..., deterministic)]` if its body replays bit-identically")]
+    NotDeterministic { unit: String },
+    /// The plan asked for a codec the unit restricts away.
+    #[error("unit `{unit}` does not allow codec `{codec}`; it allows {allowed}")]
+    CodecNotAllowed {
+        unit: String,
+        codec: String,
+        allowed: String,
+    },
+    /// A recompute did not replay the recorded forward.
+    #[error("recompute of unit `{unit}` diverged from its forward: {detail}")]
+    ReplayDiverged { unit: String, detail: String },
+    /// A deterministic unit's recompute produced different bits.
+    #[error("recompute of deterministic unit `{unit}` (call {call}) is not bit-identical to its forward")]
+    NotBitIdentical { unit: String, call: usize },
+    /// A unit's body failed while it was being recomputed.
+    #[error("unit `{unit}` failed while being recomputed: {message}")]
+    Recompute { unit: String, message: String },
+    /// Misuse of the tape (a description of what and how to fix it).
+    #[error("{0}")]
+    Tape(String),
+    /// A shape that an op cannot take.
+    #[error("{op}: {detail}")]
+    Shape { op: &'static str, detail: String },
+}
+
+/// The runtime's result type.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+pub(crate) fn shape_err<T>(op: &'static str, detail: impl Into<String>) -> Result<T> {
+    Err(Error::Shape {
+        op,
+        detail: detail.into(),
+    })
+}

@@ -1,0 +1,818 @@
+//! The tape: records ops, keeps their saved tensors in slots owned by recovery units,
+//! applies each unit's fidelity when its scope closes, and runs backward.
+
+use crate::fidelity::{Fidelity, Plan};
+use crate::memory::{storage_of, EventKind, Ledger, MemClass, StorageKey};
+use crate::ops::{Op, Saved};
+use crate::unit::{Recompute, UnitDescriptor};
+use crate::{Error, Grads, Result, Var, VarId, VarKind};
+use candle_core::{DType, Shape, Tensor};
+use hilore_kernels::Encoded;
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+/// What a slot holds.
+enum Slot {
+    /// A parameter reference: not counted, never encoded.
+    Param(Tensor),
+    /// A tensor in the compute dtype, counted in the ledger under `key`.
+    Held { tensor: Tensor, key: StorageKey },
+    /// A codec encoding, counted under `key`.
+    Encoded { enc: Encoded, key: StorageKey },
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum SlotKind {
+    Act,
+    Exact,
+    Param,
+}
+
+struct SlotMeta {
+    kind: SlotKind,
+    shape: Shape,
+    dtype: DType,
+}
+
+struct Node {
+    op: Box<dyn Op>,
+    name: &'static str,
+    inputs: Vec<(VarId, VarKind)>,
+    output: VarId,
+    needs_grad: bool,
+    meta: Vec<SlotMeta>,
+    slots: Vec<Slot>,
+    unit: Option<usize>,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum UnitState {
+    /// Scope still open in the forward.
+    Open,
+    /// Slots hold tensors in the compute dtype.
+    Live,
+    /// Directly owned activation slots hold encodings.
+    Encoded,
+    /// Everything dropped; inputs and the recompute closure kept.
+    Dropped,
+    /// Backward has finished with the unit.
+    Done,
+}
+
+struct UnitInst<'m> {
+    desc: &'static UnitDescriptor,
+    call: usize,
+    parent: Option<usize>,
+    fidelity: Fidelity,
+    cost: f64,
+    first_node: usize,
+    end_node: usize,
+    state: UnitState,
+    inputs: Vec<Var>,
+    held_inputs: Vec<StorageKey>,
+    recompute: Option<Recompute<'m>>,
+    fingerprint: Option<u64>,
+}
+
+/// Which pass the tape is in.
+enum Mode {
+    /// Nothing is recorded (rollouts, scoring).
+    Inference,
+    /// Ops append nodes.
+    Forward,
+    /// A Recompute unit is re-running: ops refill the recorded nodes.
+    Replay {
+        root: usize,
+        cursor: usize,
+        end: usize,
+        unit_cursor: usize,
+    },
+    /// Backward is running (between replays).
+    Backward,
+}
+
+/// The outcome of a recompute check: whether a deterministic unit's re-run reproduced its
+/// forward output bit for bit.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct RecomputeCheck {
+    /// The unit.
+    pub unit: String,
+    /// Its call index.
+    pub call: usize,
+    /// Whether the recomputed output equals the forward output bit for bit.
+    pub bit_identical: bool,
+}
+
+/// Time spent by the tape, split by kind of work.
+#[derive(Debug, Clone, Default, serde::Serialize)]
+pub struct TapeTimes {
+    /// Encoding Compress units' slots (forward).
+    pub encode: Duration,
+    /// Decoding them (backward).
+    pub decode: Duration,
+    /// Re-running Recompute units (backward).
+    pub recompute: Duration,
+    /// The whole backward pass, recompute and decode included.
+    pub backward: Duration,
+}
+
+/// What a backward pass did.
+#[derive(Debug, Clone, Default)]
+pub struct BackwardReport {
+    /// Units re-run.
+    pub recomputed_units: usize,
+    /// Units decoded.
+    pub decoded_units: usize,
+    /// Ops whose backward ran.
+    pub ops: usize,
+    /// Recompute checks (filled when [`Cx::verify_recompute`] is on).
+    pub checks: Vec<RecomputeCheck>,
+}
+
+/// One unit instance as the tape saw it.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct UnitInstanceInfo {
+    /// The unit's name.
+    pub unit: &'static str,
+    /// Its call index in the forward.
+    pub call: usize,
+    /// The enclosing unit instance (index into [`Cx::unit_instances`]).
+    pub parent: Option<usize>,
+    /// The fidelity it was given.
+    pub fidelity: String,
+    /// The value of its cost expression.
+    pub cost: f64,
+    /// Ops it recorded (nested units' included).
+    pub ops: usize,
+}
+
+/// The tape context: every op and recovery unit runs through it.
+///
+/// `'m` is the lifetime of the model: Recompute units keep closures that borrow it.
+pub struct Cx<'m> {
+    plan: Plan,
+    mode: Mode,
+    nodes: Vec<Node>,
+    units: Vec<UnitInst<'m>>,
+    stack: Vec<usize>,
+    calls: HashMap<*const UnitDescriptor, usize>,
+    ledger: Ledger,
+    times: TapeTimes,
+    seed: u64,
+    verify: bool,
+    checks: Vec<RecomputeCheck>,
+    poisoned: Option<String>,
+    backward_done: bool,
+}
+
+impl<'m> Cx<'m> {
+    /// A tape that records a forward for backward under `plan`.
+    pub fn new(plan: Plan) -> Self {
+        Cx {
+            plan,
+            mode: Mode::Forward,
+            nodes: Vec::new(),
+            units: Vec::new(),
+            stack: Vec::new(),
+            calls: HashMap::new(),
+            ledger: Ledger::default(),
+            times: TapeTimes::default(),
+            seed: 0,
+            verify: false,
+            checks: Vec::new(),
+            poisoned: None,
+            backward_done: false,
+        }
+    }
+
+    /// A tape that records nothing: ops only compute (rollouts, scoring, evaluation).
+    pub fn inference() -> Self {
+        let mut cx = Cx::new(Plan::store_all());
+        cx.mode = Mode::Inference;
+        cx
+    }
+
+    /// Seeds the counter-based RNG ([`Cx::counter_uniform`]).
+    pub fn with_seed(mut self, seed: u64) -> Self {
+        self.seed = seed;
+        self
+    }
+
+    /// Fingerprints every Recompute unit's output in the forward and compares the
+    /// recomputed output in backward (see [`BackwardReport::checks`]).
+    pub fn verify_recompute(mut self, on: bool) -> Self {
+        self.verify = on;
+        self
+    }
+
+    /// The plan.
+    pub fn plan(&self) -> &Plan {
+        &self.plan
+    }
+
+    /// Whether ops are recorded (false for [`Cx::inference`]).
+    pub fn records(&self) -> bool {
+        !matches!(self.mode, Mode::Inference)
+    }
+
+    /// The memory ledger.
+    pub fn memory(&self) -> &Ledger {
+        &self.ledger
+    }
+
+    /// Time spent encoding, decoding, recomputing and in backward.
+    pub fn times(&self) -> &TapeTimes {
+        &self.times
+    }
+
+    /// Number of ops recorded.
+    pub fn num_ops(&self) -> usize {
+        self.nodes.len()
+    }
+
+    /// Every unit instance opened, in order.
+    pub fn unit_instances(&self) -> Vec<UnitInstanceInfo> {
+        self.units
+            .iter()
+            .map(|u| UnitInstanceInfo {
+                unit: u.desc.name,
+                call: u.call,
+                parent: u.parent,
+                fidelity: u.fidelity.to_string(),
+                cost: u.cost,
+                ops: u.end_node - u.first_node,
+            })
+            .collect()
+    }
+
+    // ----- recording -------------------------------------------------------------------
+
+    /// Records one op: `inputs` produced `output`; backward will read `saved`.
+    /// During a recompute, refills the recorded op instead. Called by every op.
+    pub fn record<O: Op + 'static>(
+        &mut self,
+        op: O,
+        inputs: &[&Var],
+        output: Tensor,
+        saved: Vec<Saved>,
+    ) -> Result<Var> {
+        let needs_grad = inputs.iter().any(|v| v.requires_grad());
+        match self.mode {
+            Mode::Inference => Ok(Var::activation(VarId::fresh(), output, false)),
+            Mode::Forward => {
+                let id = VarId::fresh();
+                let (meta, slots) = if needs_grad {
+                    self.hold_all(saved, MemClass::Stored)
+                } else {
+                    (Vec::new(), Vec::new())
+                };
+                self.nodes.push(Node {
+                    name: op.name(),
+                    op: Box::new(op),
+                    inputs: inputs.iter().map(|v| (v.id, v.kind)).collect(),
+                    output: id,
+                    needs_grad,
+                    meta,
+                    slots,
+                    unit: self.stack.last().copied(),
+                });
+                Ok(Var::activation(id, output, needs_grad))
+            }
+            Mode::Replay {
+                root,
+                cursor,
+                end,
+                ..
+            } => {
+                let unit = self.units[root].desc.name;
+                if cursor >= end {
+                    return Err(self.diverged(
+                        unit,
+                        format!("the recompute ran more ops than the {} recorded", end - self.units[root].first_node),
+                    ));
+                }
+                let node = &self.nodes[cursor];
+                if node.name != op.name() {
+                    return Err(self.diverged(
+                        unit,
+                        format!("op {cursor} was `{}` in the forward, `{}` now", node.name, op.name()),
+                    ));
+                }
+                let same_inputs = node.inputs.len() == inputs.len()
+                    && node.inputs.iter().zip(inputs).all(|((id, _), v)| *id == v.id);
+                if !same_inputs {
+                    return Err(self.diverged(unit, format!("op {cursor} (`{}`) got other inputs than in the forward", node.name)));
+                }
+                let output_id = node.output;
+                let (meta, slots) = if needs_grad {
+                    self.hold_all(saved, MemClass::Recomputed)
+                } else {
+                    (Vec::new(), Vec::new())
+                };
+                let node = &mut self.nodes[cursor];
+                node.op = Box::new(op);
+                node.meta = meta;
+                node.slots = slots;
+                if let Mode::Replay { cursor, .. } = &mut self.mode {
+                    *cursor += 1;
+                }
+                Ok(Var::activation(output_id, output, needs_grad))
+            }
+            Mode::Backward => Err(Error::Tape(
+                "an op ran during backward outside a recompute; create a new Cx for the next forward".into(),
+            )),
+        }
+    }
+
+    fn diverged(&mut self, unit: &str, detail: String) -> Error {
+        let e = Error::ReplayDiverged {
+            unit: unit.to_string(),
+            detail,
+        };
+        self.poisoned = Some(e.to_string());
+        e
+    }
+
+    fn hold_all(&mut self, saved: Vec<Saved>, class: MemClass) -> (Vec<SlotMeta>, Vec<Slot>) {
+        saved
+            .into_iter()
+            .map(|s| {
+                let kind = match s {
+                    Saved::Act(_) => SlotKind::Act,
+                    Saved::Exact(_) => SlotKind::Exact,
+                    Saved::Param(_) => SlotKind::Param,
+                };
+                let t = s.tensor();
+                let meta = SlotMeta {
+                    kind,
+                    shape: t.shape().clone(),
+                    dtype: t.dtype(),
+                };
+                let slot = match s {
+                    Saved::Param(t) => Slot::Param(t),
+                    Saved::Act(t) | Saved::Exact(t) => self.hold(t, class),
+                };
+                (meta, slot)
+            })
+            .unzip()
+    }
+
+    fn hold(&mut self, tensor: Tensor, class: MemClass) -> Slot {
+        let (key, bytes) = storage_of(&tensor);
+        self.ledger.add(key, bytes, class);
+        Slot::Held { tensor, key }
+    }
+
+    fn release(&mut self, slot: Slot) {
+        match slot {
+            Slot::Held { key, .. } | Slot::Encoded { key, .. } => self.ledger.release(key),
+            Slot::Param(_) => {}
+        }
+    }
+
+    fn release_node(&mut self, idx: usize) {
+        let slots = std::mem::take(&mut self.nodes[idx].slots);
+        for s in slots {
+            self.release(s);
+        }
+    }
+
+    /// Uniform values in `[0, 1)` from a counter-based generator keyed by the tape's seed
+    /// and the index of the op about to be recorded, so a recompute draws the same values.
+    pub fn counter_uniform(&mut self, shape: impl Into<Shape>, dtype: DType, device: &candle_core::Device) -> Result<Tensor> {
+        let shape: Shape = shape.into();
+        let stream = match self.mode {
+            Mode::Replay { cursor, .. } => cursor as u64,
+            _ => self.nodes.len() as u64,
+        };
+        let key = splitmix64(self.seed ^ splitmix64(stream.wrapping_add(0x9E37_79B9)));
+        let n = shape.elem_count();
+        let v: Vec<f64> = (0..n as u64)
+            .map(|i| (splitmix64(key ^ i.wrapping_mul(0xD1B5_4A32_D192_ED03)) >> 11) as f64 / (1u64 << 53) as f64)
+            .collect();
+        Ok(Tensor::from_vec(v, shape, device)?.to_dtype(dtype)?)
+    }
+
+    // ----- units ------------------------------------------------------------------------
+
+    pub(crate) fn open_unit(&mut self, desc: &'static UnitDescriptor, cost: f64, inputs: Vec<Var>) -> Result<usize> {
+        if let Some(p) = &self.poisoned {
+            return Err(Error::Tape(format!("the tape is unusable after an earlier error: {p}")));
+        }
+        match &mut self.mode {
+            Mode::Forward => {
+                let counter = self.calls.entry(desc as *const _).or_insert(0);
+                let call = *counter;
+                *counter += 1;
+                let fidelity = self.plan.fidelity_for(desc, call);
+                desc.check(fidelity)?;
+                let idx = self.units.len();
+                self.units.push(UnitInst {
+                    desc,
+                    call,
+                    parent: self.stack.last().copied(),
+                    fidelity,
+                    cost,
+                    first_node: self.nodes.len(),
+                    end_node: self.nodes.len(),
+                    state: UnitState::Open,
+                    inputs,
+                    held_inputs: Vec::new(),
+                    recompute: None,
+                    fingerprint: None,
+                });
+                self.stack.push(idx);
+                Ok(idx)
+            }
+            Mode::Replay {
+                unit_cursor,
+                cursor,
+                root,
+                ..
+            } => {
+                let idx = *unit_cursor;
+                let (root, cursor) = (*root, *cursor);
+                let ok = idx < self.units.len()
+                    && std::ptr::eq(self.units[idx].desc, desc)
+                    && self.units[idx].first_node == cursor;
+                if !ok {
+                    let unit = self.units[root].desc.name;
+                    return Err(self.diverged(unit, format!("unit `{}` opened where the forward did not open it", desc.name)));
+                }
+                if let Mode::Replay { unit_cursor, .. } = &mut self.mode {
+                    *unit_cursor += 1;
+                }
+                self.units[idx].inputs = inputs;
+                self.stack.push(idx);
+                Ok(idx)
+            }
+            Mode::Inference | Mode::Backward => Err(Error::Tape("a recovery unit opened outside a forward".into())),
+        }
+    }
+
+    pub(crate) fn abort_unit(&mut self, inst: usize) {
+        self.poisoned = Some(format!("unit `{}` failed during the forward", self.units[inst].desc.name));
+        self.stack.retain(|&u| u != inst);
+    }
+
+    pub(crate) fn close_unit(&mut self, inst: usize, outputs: &[Tensor], replay: Recompute<'m>) -> Result<()> {
+        let top = self.stack.pop();
+        debug_assert_eq!(top, Some(inst));
+        let end = match self.mode {
+            Mode::Replay { cursor, .. } => cursor,
+            _ => self.nodes.len(),
+        };
+        if matches!(self.mode, Mode::Replay { .. }) && self.units[inst].end_node != end {
+            let unit = self.units[inst].desc.name;
+            return Err(self.diverged(unit, "the recompute recorded a different number of ops".into()));
+        }
+        self.units[inst].end_node = end;
+        let fidelity = self.units[inst].fidelity;
+        match fidelity {
+            Fidelity::Store => self.units[inst].state = UnitState::Live,
+            Fidelity::Compress(codec) => self.encode_unit(inst, codec)?,
+            Fidelity::Recompute => {
+                if self.verify && matches!(self.mode, Mode::Forward) {
+                    self.units[inst].fingerprint = Some(fingerprint(outputs)?);
+                }
+                self.drop_unit(inst, replay);
+            }
+        }
+        let u = &self.units[inst];
+        let (name, call) = (u.desc.name, u.call);
+        self.ledger.event(EventKind::UnitClosed, name, call, fidelity.to_string());
+        if matches!(self.mode, Mode::Forward) {
+            // The plain forward does not need the inputs of units that are not recomputed.
+            if fidelity != Fidelity::Recompute {
+                self.units[inst].inputs.clear();
+            }
+        }
+        Ok(())
+    }
+
+    /// Drops everything the unit and its nested units hold; keeps the unit's inputs and
+    /// its recompute closure.
+    fn drop_unit(&mut self, inst: usize, replay: Recompute<'m>) {
+        let (first, end) = (self.units[inst].first_node, self.units[inst].end_node);
+        for n in first..end {
+            self.release_node(n);
+        }
+        for u in inst + 1..self.units.len() {
+            if self.units[u].first_node >= end {
+                break;
+            }
+            self.release_inputs(u);
+            self.units[u].recompute = None;
+            self.units[u].state = UnitState::Dropped;
+        }
+        let inputs = std::mem::take(&mut self.units[inst].inputs);
+        let mut keys = Vec::with_capacity(inputs.len());
+        for v in &inputs {
+            if v.kind == VarKind::Param {
+                continue;
+            }
+            let (key, bytes) = storage_of(&v.tensor);
+            self.ledger.add(key, bytes, MemClass::Inputs);
+            keys.push(key);
+        }
+        let u = &mut self.units[inst];
+        u.inputs = inputs;
+        u.held_inputs = keys;
+        u.recompute = Some(replay);
+        u.state = UnitState::Dropped;
+    }
+
+    fn release_inputs(&mut self, u: usize) {
+        let keys = std::mem::take(&mut self.units[u].held_inputs);
+        for k in keys {
+            self.ledger.release(k);
+        }
+        self.units[u].inputs.clear();
+    }
+
+    fn encode_unit(&mut self, inst: usize, codec_name: &'static str) -> Result<()> {
+        let t0 = Instant::now();
+        let codec = hilore_kernels::codec_by_name(codec_name)?;
+        let (first, end) = (self.units[inst].first_node, self.units[inst].end_node);
+        for n in first..end {
+            if self.nodes[n].unit != Some(inst) {
+                continue;
+            }
+            for s in 0..self.nodes[n].slots.len() {
+                if self.nodes[n].meta[s].kind != SlotKind::Act {
+                    continue;
+                }
+                let Slot::Held { tensor, .. } = &self.nodes[n].slots[s] else {
+                    continue;
+                };
+                let data: Vec<f32> = tensor.flatten_all()?.to_dtype(DType::F32)?.to_vec1()?;
+                let mut enc = Encoded::default();
+                codec.encode(&data, &mut enc).map_err(|source| Error::Codec {
+                    unit: self.units[inst].desc.name.to_string(),
+                    source,
+                })?;
+                let key = StorageKey::Encoded(next_encoding_id());
+                self.ledger.add(key, enc.nbytes(), MemClass::Compressed);
+                let old = std::mem::replace(&mut self.nodes[n].slots[s], Slot::Encoded { enc, key });
+                self.release(old);
+            }
+        }
+        self.units[inst].state = UnitState::Encoded;
+        self.times.encode += t0.elapsed();
+        Ok(())
+    }
+
+    fn decode_unit(&mut self, inst: usize) -> Result<()> {
+        let t0 = Instant::now();
+        let (first, end) = (self.units[inst].first_node, self.units[inst].end_node);
+        let device = candle_core::Device::Cpu;
+        for n in first..end {
+            if self.nodes[n].unit != Some(inst) {
+                continue;
+            }
+            for s in 0..self.nodes[n].slots.len() {
+                let Slot::Encoded { enc, .. } = &self.nodes[n].slots[s] else {
+                    continue;
+                };
+                let codec = hilore_kernels::codec_by_name(enc.codec)?;
+                let mut data = vec![0f32; enc.len];
+                codec.decode(enc, &mut data).map_err(|source| Error::Codec {
+                    unit: self.units[inst].desc.name.to_string(),
+                    source,
+                })?;
+                let meta = &self.nodes[n].meta[s];
+                let t = Tensor::from_vec(data, meta.shape.clone(), &device)?.to_dtype(meta.dtype)?;
+                let held = self.hold(t, MemClass::Decoded);
+                let old = std::mem::replace(&mut self.nodes[n].slots[s], held);
+                self.release(old);
+            }
+        }
+        self.units[inst].state = UnitState::Live;
+        let u = &self.units[inst];
+        let (name, call, fid) = (u.desc.name, u.call, u.fidelity.to_string());
+        self.ledger.event(EventKind::Decoded, name, call, fid);
+        self.times.decode += t0.elapsed();
+        Ok(())
+    }
+
+    fn replay_unit(&mut self, inst: usize) -> Result<()> {
+        let t0 = Instant::now();
+        let Some(body) = self.units[inst].recompute.clone() else {
+            return Err(Error::Tape(format!(
+                "unit `{}` was dropped but keeps no recompute closure",
+                self.units[inst].desc.name
+            )));
+        };
+        self.mode = Mode::Replay {
+            root: inst,
+            cursor: self.units[inst].first_node,
+            end: self.units[inst].end_node,
+            unit_cursor: inst + 1,
+        };
+        self.stack.push(inst);
+        let result = body(self);
+        self.stack.pop();
+        let cursor = match self.mode {
+            Mode::Replay { cursor, .. } => cursor,
+            _ => 0,
+        };
+        self.mode = Mode::Backward;
+        let outputs = result?;
+        let end = self.units[inst].end_node;
+        if cursor != end {
+            let unit = self.units[inst].desc.name;
+            return Err(self.diverged(
+                unit,
+                format!("the recompute ran {} ops, the forward {}", cursor - self.units[inst].first_node, end - self.units[inst].first_node),
+            ));
+        }
+        if let Some(fp) = self.units[inst].fingerprint {
+            let same = fingerprint(&outputs)? == fp;
+            self.checks.push(RecomputeCheck {
+                unit: self.units[inst].desc.name.to_string(),
+                call: self.units[inst].call,
+                bit_identical: same,
+            });
+        }
+        self.units[inst].state = UnitState::Live;
+        let u = &self.units[inst];
+        let (name, call, fid) = (u.desc.name, u.call, u.fidelity.to_string());
+        self.ledger.event(EventKind::Recomputed, name, call, fid);
+        self.times.recompute += t0.elapsed();
+        Ok(())
+    }
+
+    /// Makes node `idx`'s saved tensors available: re-runs dropped enclosing units
+    /// (outermost first) and decodes its unit if compressed.
+    fn materialize(&mut self, idx: usize, report: &mut BackwardReport) -> Result<()> {
+        let Some(unit) = self.nodes[idx].unit else {
+            return Ok(());
+        };
+        loop {
+            let mut outermost = None;
+            let mut u = Some(unit);
+            while let Some(i) = u {
+                if self.units[i].state == UnitState::Dropped {
+                    outermost = Some(i);
+                }
+                u = self.units[i].parent;
+            }
+            match outermost {
+                Some(i) => {
+                    self.replay_unit(i)?;
+                    report.recomputed_units += 1;
+                }
+                None => break,
+            }
+        }
+        if self.units[unit].state == UnitState::Encoded {
+            self.decode_unit(unit)?;
+            report.decoded_units += 1;
+        }
+        Ok(())
+    }
+
+    /// Backward from `output`, seeded with `seed` (the gradient of `output`, e.g. the
+    /// per-token coefficients dL/dlogp). Parameter gradients are added into `grads`.
+    /// A tape runs backward once.
+    pub fn backward(&mut self, output: &Var, seed: &Tensor, grads: &mut Grads) -> Result<BackwardReport> {
+        if let Some(p) = &self.poisoned {
+            return Err(Error::Tape(format!("the tape is unusable after an earlier error: {p}")));
+        }
+        if !matches!(self.mode, Mode::Forward) || self.backward_done {
+            return Err(Error::Tape("backward runs once, after a recorded forward; create a new Cx per microbatch".into()));
+        }
+        if !self.stack.is_empty() {
+            return Err(Error::Tape("backward called while a recovery unit is still open".into()));
+        }
+        if seed.shape() != output.tensor.shape() {
+            return Err(Error::Tape(format!(
+                "backward seed has shape {:?}, the output {:?}",
+                seed.dims(),
+                output.tensor.dims()
+            )));
+        }
+        let t0 = Instant::now();
+        self.backward_done = true;
+        self.mode = Mode::Backward;
+        self.ledger.event(EventKind::BackwardStart, "", 0, String::new());
+        let mut report = BackwardReport::default();
+        let mut agrads: HashMap<VarId, Tensor> = HashMap::new();
+        if output.kind == VarKind::Param {
+            grads.accumulate(output.id, seed.clone())?;
+        } else {
+            agrads.insert(output.id, seed.clone());
+        }
+        // Units finish, in backward, at their first node.
+        let mut finishing: HashMap<usize, Vec<usize>> = HashMap::new();
+        for (i, u) in self.units.iter().enumerate() {
+            finishing.entry(u.first_node).or_default().push(i);
+        }
+        for idx in (0..self.nodes.len()).rev() {
+            let g = agrads.remove(&self.nodes[idx].output);
+            if let (Some(g), true) = (g, self.nodes[idx].needs_grad) {
+                self.materialize(idx, &mut report)?;
+                let node = &self.nodes[idx];
+                let mut saved = Vec::with_capacity(node.slots.len());
+                for (s, slot) in node.slots.iter().enumerate() {
+                    match slot {
+                        Slot::Held { tensor, .. } | Slot::Param(tensor) => saved.push(tensor.clone()),
+                        _ => {
+                            return Err(Error::Tape(format!(
+                                "op {idx} (`{}`) slot {s} is not materialized in backward",
+                                node.name
+                            )))
+                        }
+                    }
+                }
+                let needs: Vec<bool> = node.inputs.iter().map(|(_, k)| *k != VarKind::Constant).collect();
+                let gin = node.op.backward(&saved, &g, &needs)?;
+                drop(saved);
+                report.ops += 1;
+                let inputs = self.nodes[idx].inputs.clone();
+                for ((id, kind), gi) in inputs.into_iter().zip(gin) {
+                    let Some(gi) = gi else { continue };
+                    match kind {
+                        VarKind::Constant => {}
+                        VarKind::Param => grads.accumulate(id, gi)?,
+                        VarKind::Activation => {
+                            let gi = match agrads.remove(&id) {
+                                Some(prev) => (prev + gi)?,
+                                None => gi,
+                            };
+                            agrads.insert(id, gi);
+                        }
+                    }
+                }
+            }
+            self.release_node(idx);
+            if let Some(done) = finishing.remove(&idx) {
+                for u in done.into_iter().rev() {
+                    self.release_inputs(u);
+                    self.units[u].recompute = None;
+                    self.units[u].state = UnitState::Done;
+                    let info = &self.units[u];
+                    let (name, call, fid) = (info.desc.name, info.call, info.fidelity.to_string());
+                    self.ledger.event(EventKind::Freed, name, call, fid);
+                }
+            }
+        }
+        for u in 0..self.units.len() {
+            self.release_inputs(u);
+            self.units[u].recompute = None;
+        }
+        self.ledger.event(EventKind::BackwardEnd, "", 0, String::new());
+        report.checks = std::mem::take(&mut self.checks);
+        self.times.backward += t0.elapsed();
+        Ok(report)
+    }
+}
+
+impl std::fmt::Debug for Cx<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Cx")
+            .field("plan", &self.plan.name())
+            .field("ops", &self.nodes.len())
+            .field("units", &self.units.len())
+            .field("live_bytes", &self.ledger.live_bytes())
+            .finish()
+    }
+}
+
+fn next_encoding_id() -> u64 {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static NEXT: AtomicU64 = AtomicU64::new(1);
+    NEXT.fetch_add(1, Ordering::Relaxed)
+}
+
+pub(crate) fn splitmix64(mut x: u64) -> u64 {
+    x = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    x = (x ^ (x >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    x ^ (x >> 31)
+}
+
+/// A hash of the exact bits of `tensors` (FNV-1a over the raw element bytes).
+fn fingerprint(tensors: &[Tensor]) -> Result<u64> {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    let mut eat = |bytes: &[u8]| {
+        for &b in bytes {
+            h ^= b as u64;
+            h = h.wrapping_mul(0x0100_0000_01b3);
+        }
+    };
+    for t in tensors {
+        let t = t.flatten_all()?;
+        eat(&(t.dims()[0] as u64).to_le_bytes());
+        match t.dtype() {
+            DType::F64 => t.to_vec1::<f64>()?.iter().for_each(|v| eat(&v.to_bits().to_le_bytes())),
+            DType::U32 => t.to_vec1::<u32>()?.iter().for_each(|v| eat(&v.to_le_bytes())),
+            _ => t
+                .to_dtype(DType::F32)?
+                .to_vec1::<f32>()?
+                .iter()
+                .for_each(|v| eat(&v.to_bits().to_le_bytes())),
+        }
+    }
+    Ok(h)
+}
