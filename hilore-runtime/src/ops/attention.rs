@@ -1,0 +1,219 @@
+//! Causal attention with grouped-query heads over packed variable-length sequences,
+//! flash-attention style: the backward recomputes the probabilities from the saved
+//! log-sum-exp instead of keeping them.
+
+use super::util::{any_grad, causal_mask, grad_if, mm, write_at};
+use super::{Op, Saved};
+use crate::error::shape_err;
+use crate::{Cx, Error, Packing, Result, Var};
+use candle_core::Tensor;
+
+/// Head-major copy `[H, len, D]` of tokens `start..start + len` of `t: [N, H, D]`, times
+/// `scale` (the copy and the scaling are one pass).
+fn heads(t: &Tensor, start: usize, len: usize, scale: f64) -> Result<Tensor> {
+    let v = t.narrow(0, start, len)?.transpose(0, 1)?;
+    if scale == 1.0 {
+        Ok(v.contiguous()?)
+    } else {
+        Ok(v.affine(scale, 0.0)?)
+    }
+}
+
+/// Shapes shared by the forward and the backward.
+#[derive(Clone, Copy)]
+struct Dims {
+    hq: usize,
+    hkv: usize,
+    d: usize,
+}
+
+impl Dims {
+    /// Query heads per kv head.
+    fn group(self) -> usize {
+        self.hq / self.hkv
+    }
+}
+
+/// Masked, scaled scores `[Hq, T, T]` of one sequence from its scaled queries
+/// `qs: [Hq, T, D]` and keys `k: [Hkv, T, D]`. Query head `h` reads kv head `h / G`: with the
+/// heads laid out `h = kv * G + g`, `qs` viewed as `[Hkv, G * T, D]` multiplies each kv
+/// head's keys once, without copying the keys `G` times.
+fn scores(qs: &Tensor, k: &Tensor, mask: &Tensor, dims: Dims) -> Result<Tensor> {
+    let t = k.dim(1)?;
+    let q3 = qs.reshape((dims.hkv, dims.group() * t, dims.d))?;
+    let s = mm(&q3, &k.t()?)?.reshape((dims.hq, t, t))?;
+    Ok(s.broadcast_add(&mask.narrow(0, 0, t)?.narrow(1, 0, t)?)?)
+}
+
+struct Attention {
+    offsets: Vec<usize>,
+    dims: Dims,
+    scale: f64,
+    /// Whether `v` and `o` were saved (only `dQ` and `dK` read them).
+    saved_vo: bool,
+}
+
+impl Op for Attention {
+    fn name(&self) -> &'static str {
+        "attention"
+    }
+
+    fn backward(&self, s: &[Tensor], g: &Tensor, need: &[bool]) -> Result<Vec<Option<Tensor>>> {
+        let (q, k, lse) = (&s[0], &s[1], &s[2]);
+        let need_ds = need[0] || need[1];
+        if need_ds && !self.saved_vo {
+            return Err(Error::Tape(
+                "attention: dQ/dK requested but neither q nor k wanted a gradient in the forward, \
+                 so v and o were not saved"
+                    .into(),
+            ));
+        }
+        let Dims { hq, hkv, d } = self.dims;
+        let gs = self.dims.group();
+        let n = q.dim(0)?;
+        let (dt, dev) = (q.dtype(), q.device());
+        let alloc = |h: usize, need: bool| -> Result<Option<Tensor>> {
+            grad_if(need, || Ok(Tensor::zeros((n, h, d), dt, dev)?))
+        };
+        let (dq, dk, dv) = (
+            alloc(hq, need[0])?,
+            alloc(hkv, need[1])?,
+            alloc(hkv, need[2])?,
+        );
+        let tmax = self
+            .offsets
+            .windows(2)
+            .map(|w| w[1] - w[0])
+            .max()
+            .unwrap_or(0);
+        let mask = causal_mask(tmax, dt, dev)?;
+        for w in self.offsets.windows(2) {
+            let (start, t) = (w[0], w[1] - w[0]);
+            let qs = heads(q, start, t, self.scale)?;
+            let kh = heads(k, start, t, 1.0)?;
+            let do3 = heads(g, start, t, 1.0)?.reshape((hkv, gs * t, d))?;
+            // P = exp(S - lse), exactly the forward's probabilities (masked entries: 0).
+            let lse_s = lse.narrow(1, start, t)?.unsqueeze(2)?;
+            let p = scores(&qs, &kh, &mask, self.dims)?
+                .broadcast_sub(&lse_s)?
+                .exp()?
+                .reshape((hkv, gs * t, t))?;
+            if let Some(dv) = &dv {
+                // dV = P^T dO, summed over each kv head's query group by the product itself.
+                let x = mm(&p.t()?, &do3)?;
+                write_at(dv, &x.transpose(0, 1)?, 0, start)?;
+            }
+            if need_ds {
+                // dS = P * (dO V^T - rowsum(dO * O)).
+                let (v, o) = (&s[3], &s[4]);
+                let vh = heads(v, start, t, 1.0)?;
+                let oh = heads(o, start, t, 1.0)?.reshape((hkv, gs * t, d))?;
+                let dvec = (&do3 * &oh)?.sum_keepdim(2)?;
+                drop(oh);
+                let dp = mm(&do3, &vh.t()?)?;
+                let ds = (p * dp.broadcast_sub(&dvec)?)?;
+                if let Some(dq) = &dq {
+                    // dQ = dS K * scale.
+                    let x = mm(&ds, &kh)?.affine(self.scale, 0.0)?;
+                    write_at(dq, &x.reshape((hq, t, d))?.transpose(0, 1)?, 0, start)?;
+                }
+                if let Some(dk) = &dk {
+                    // dK = dS^T (Q * scale), summed over the group.
+                    let q3 = qs.reshape((hkv, gs * t, d))?;
+                    let x = mm(&ds.t()?, &q3)?;
+                    write_at(dk, &x.transpose(0, 1)?, 0, start)?;
+                }
+            }
+        }
+        Ok(vec![dq, dk, dv])
+    }
+}
+
+impl<'m> Cx<'m> {
+    /// Causal self-attention within each sequence of `packing`, with grouped-query heads:
+    /// `q: [N, Hq, D]`, `k, v: [N, Hkv, D]` (`Hq` a multiple of `Hkv`; query head `h` reads
+    /// kv head `h / (Hq / Hkv)`), scores scaled by `scale`; returns `[N, Hq, D]`.
+    ///
+    /// Saves, when any input wants a gradient, `q` and `k` ([`Saved::for_var`]) and the
+    /// per-row log-sum-exp of the scaled, masked scores (`Saved::Exact`, `[Hq, N]`, in
+    /// `q`'s dtype): all that `dV = P^T dO` reads; and, when `q` or `k` wants a gradient,
+    /// also `v` ([`Saved::for_var`]) and the output `o` (`Saved::Act`), which `dQ` and
+    /// `dK` read through `dS = P * (dO V^T - rowsum(dO * O))`. Never the `T x T`
+    /// probabilities: the backward recomputes them one sequence at a time (`T x T`
+    /// transients per sequence).
+    pub fn attention(
+        &mut self,
+        q: &Var,
+        k: &Var,
+        v: &Var,
+        packing: &Packing,
+        scale: f64,
+    ) -> Result<Var> {
+        let (n, hq, d) = match q.dims() {
+            [n, h, d] => (*n, *h, *d),
+            dims => return shape_err("attention", format!("q must be [N, Hq, D], got {dims:?}")),
+        };
+        let hkv = k.dim(1).unwrap_or(0);
+        if k.dims() != [n, hkv, d] || v.dims() != k.dims() || hkv == 0 || hq % hkv != 0 {
+            return shape_err(
+                "attention",
+                format!(
+                    "k and v must both be [N, Hkv, D] with Hq a multiple of Hkv; got q {:?}, k {:?}, v {:?}",
+                    q.dims(),
+                    k.dims(),
+                    v.dims()
+                ),
+            );
+        }
+        if packing.total_tokens() != n {
+            return shape_err(
+                "attention",
+                format!(
+                    "the packing has {} tokens but q has {n}",
+                    packing.total_tokens()
+                ),
+            );
+        }
+        let dims = Dims { hq, hkv, d };
+        let gs = dims.group();
+        let (dt, dev) = (q.dtype(), q.device());
+        let out = Tensor::zeros((n, hq, d), dt, dev)?;
+        let lse = Tensor::zeros((hq, n), dt, dev)?;
+        let offsets = packing.offsets().to_vec();
+        let tmax = packing.lengths().into_iter().max().unwrap_or(0);
+        let mask = causal_mask(tmax, dt, dev)?;
+        for w in offsets.windows(2) {
+            let (start, t) = (w[0], w[1] - w[0]);
+            let qs = heads(&q.tensor, start, t, scale)?;
+            let kh = heads(&k.tensor, start, t, 1.0)?;
+            let vh = heads(&v.tensor, start, t, 1.0)?;
+            let s = scores(&qs, &kh, &mask, dims)?;
+            drop((qs, kh));
+            // Stable softmax: the diagonal is never masked, so every row max is finite.
+            let m = s.max_keepdim(2)?;
+            let e = s.broadcast_sub(&m)?.exp()?;
+            drop(s);
+            let l = e.sum_keepdim(2)?;
+            let p = e.broadcast_div(&l)?.reshape((hkv, gs * t, t))?;
+            drop(e);
+            let o = mm(&p, &vh)?.reshape((hq, t, d))?;
+            write_at(&out, &o.transpose(0, 1)?, 0, start)?;
+            write_at(&lse, &(m + l.log()?)?.squeeze(2)?, 1, start)?;
+        }
+        let saved_vo = any_grad(&[q, k]);
+        let mut saved = Vec::new();
+        if any_grad(&[q, k, v]) {
+            saved.extend([Saved::for_var(q), Saved::for_var(k), Saved::Exact(lse)]);
+            if saved_vo {
+                saved.extend([Saved::for_var(v), Saved::Act(out.clone())]);
+            }
+        }
+        let op = Attention {
+            offsets,
+            dims,
+            scale,
+            saved_vo,
+        };
+        self.record(op, &[q, k, v], out, saved)
+    }
+}

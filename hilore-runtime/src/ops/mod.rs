@@ -1,0 +1,80 @@
+//! The ops of the tape. Every op has an explicit backward and declares its saved tensors:
+//! the exact values its backward reads, and nothing else.
+//!
+//! An op is a struct holding its static configuration (shapes, flags) and implementing
+//! [`Op`]. Its forward is a method on [`crate::Cx`] that computes the output with candle,
+//! then calls [`crate::Cx::record`] with the inputs, the output and the saved tensors. The
+//! same method runs during a recompute: `record` then fills the recorded op's slots
+//! instead of appending a new op, so forward code never needs to know which pass it is in.
+
+use crate::Result;
+use candle_core::{Shape, Tensor};
+
+mod activation;
+mod attention;
+mod dropout;
+mod elementwise;
+mod embedding;
+mod linear;
+mod logprobs;
+mod norm;
+mod rope;
+mod util;
+mod view;
+
+pub use elementwise::reduce_to_shape;
+pub use rope::RopeTables;
+
+/// A value that an op's backward reads.
+#[derive(Debug, Clone)]
+pub enum Saved {
+    /// An activation: managed by the enclosing unit's fidelity (stored, compressed or
+    /// dropped and recomputed).
+    Act(Tensor),
+    /// An activation that must stay exact even under `Compress` (indices, log-sum-exps):
+    /// stored or recomputed, never encoded.
+    Exact(Tensor),
+    /// A parameter (or other long-lived value owned by the model): a reference, never
+    /// counted as activation memory, never encoded.
+    Param(Tensor),
+}
+
+impl Saved {
+    pub(crate) fn tensor(&self) -> &Tensor {
+        match self {
+            Saved::Act(t) | Saved::Exact(t) | Saved::Param(t) => t,
+        }
+    }
+}
+
+/// An op's backward.
+pub trait Op {
+    /// Stable name, used to check that a recompute replays the same ops.
+    fn name(&self) -> &'static str;
+
+    /// Gradients of the inputs, given the saved tensors (in the order the forward declared
+    /// them) and the gradient of the output. `needs_grad[i]` says whether input `i` wants
+    /// a gradient; return `None` for those that do not.
+    fn backward(
+        &self,
+        saved: &[Tensor],
+        grad: &Tensor,
+        needs_grad: &[bool],
+    ) -> Result<Vec<Option<Tensor>>>;
+}
+
+/// The shape of a tensor, owned (ops keep input shapes for broadcasting backward).
+pub(crate) fn shape_of(t: &Tensor) -> Shape {
+    t.shape().clone()
+}
+
+impl Saved {
+    /// The right kind of slot for an input: parameters are referenced, everything else is
+    /// an activation.
+    pub fn for_var(v: &crate::Var) -> Saved {
+        match v.kind {
+            crate::VarKind::Param => Saved::Param(v.tensor.clone()),
+            _ => Saved::Act(v.tensor.clone()),
+        }
+    }
+}
