@@ -99,7 +99,12 @@ impl Plan {
     }
 
     /// Call `call` of the unit named `unit` gets `fidelity`.
-    pub fn with_instance(mut self, unit: impl Into<String>, call: usize, fidelity: Fidelity) -> Self {
+    pub fn with_instance(
+        mut self,
+        unit: impl Into<String>,
+        call: usize,
+        fidelity: Fidelity,
+    ) -> Self {
         self.by_instance.insert((unit.into(), call), fidelity);
         self
     }

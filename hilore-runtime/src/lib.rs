@@ -58,7 +58,9 @@ pub use memory::{Ledger, MemClass, MemoryEvent};
 pub use ops::{RopeTables, Saved};
 pub use packing::Packing;
 pub use tape::{BackwardReport, Cx, RecomputeCheck, TapeTimes, UnitInstanceInfo};
-pub use unit::{registered_units, ParamInfo, ParamKind, ReplayOwned, Replayable, UnitDescriptor, UnitOutput};
+pub use unit::{
+    registered_units, ParamInfo, ParamKind, ReplayOwned, Replayable, UnitDescriptor, UnitOutput,
+};
 pub use var::{Var, VarId, VarKind};
 
 /// What `#[recovery_unit]` expands to refers to these. Not a public API.

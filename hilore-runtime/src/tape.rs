@@ -379,7 +379,12 @@ impl<'m> Cx<'m> {
 
     /// Uniform values in `[0, 1)` from a counter-based generator keyed by the tape's seed
     /// and the index of the op about to be recorded, so a recompute draws the same values.
-    pub fn counter_uniform(&mut self, shape: impl Into<Shape>, dtype: DType, device: &candle_core::Device) -> Result<Tensor> {
+    pub fn counter_uniform(
+        &mut self,
+        shape: impl Into<Shape>,
+        dtype: DType,
+        device: &candle_core::Device,
+    ) -> Result<Tensor> {
         let shape: Shape = shape.into();
         let stream = match self.mode {
             Mode::Replay { cursor, .. } => cursor as u64,
@@ -388,16 +393,26 @@ impl<'m> Cx<'m> {
         let key = splitmix64(self.seed ^ splitmix64(stream.wrapping_add(0x9E37_79B9)));
         let n = shape.elem_count();
         let v: Vec<f64> = (0..n as u64)
-            .map(|i| (splitmix64(key ^ i.wrapping_mul(0xD1B5_4A32_D192_ED03)) >> 11) as f64 / (1u64 << 53) as f64)
+            .map(|i| {
+                (splitmix64(key ^ i.wrapping_mul(0xD1B5_4A32_D192_ED03)) >> 11) as f64
+                    / (1u64 << 53) as f64
+            })
             .collect();
         Ok(Tensor::from_vec(v, shape, device)?.to_dtype(dtype)?)
     }
 
     // ----- units ------------------------------------------------------------------------
 
-    pub(crate) fn open_unit(&mut self, desc: &'static UnitDescriptor, cost: f64, inputs: Vec<Var>) -> Result<usize> {
+    pub(crate) fn open_unit(
+        &mut self,
+        desc: &'static UnitDescriptor,
+        cost: f64,
+        inputs: Vec<Var>,
+    ) -> Result<usize> {
         if let Some(p) = &self.poisoned {
-            return Err(Error::Tape(format!("the tape is unusable after an earlier error: {p}")));
+            return Err(Error::Tape(format!(
+                "the tape is unusable after an earlier error: {p}"
+            )));
         }
         match &mut self.mode {
             Mode::Forward => {
@@ -437,7 +452,13 @@ impl<'m> Cx<'m> {
                     && self.units[idx].first_node == cursor;
                 if !ok {
                     let unit = self.units[root].desc.name;
-                    return Err(self.diverged(unit, format!("unit `{}` opened where the forward did not open it", desc.name)));
+                    return Err(self.diverged(
+                        unit,
+                        format!(
+                            "unit `{}` opened where the forward did not open it",
+                            desc.name
+                        ),
+                    ));
                 }
                 if let Mode::Replay { unit_cursor, .. } = &mut self.mode {
                     *unit_cursor += 1;
@@ -446,16 +467,26 @@ impl<'m> Cx<'m> {
                 self.stack.push(idx);
                 Ok(idx)
             }
-            Mode::Inference | Mode::Backward => Err(Error::Tape("a recovery unit opened outside a forward".into())),
+            Mode::Inference | Mode::Backward => Err(Error::Tape(
+                "a recovery unit opened outside a forward".into(),
+            )),
         }
     }
 
     pub(crate) fn abort_unit(&mut self, inst: usize) {
-        self.poisoned = Some(format!("unit `{}` failed during the forward", self.units[inst].desc.name));
+        self.poisoned = Some(format!(
+            "unit `{}` failed during the forward",
+            self.units[inst].desc.name
+        ));
         self.stack.retain(|&u| u != inst);
     }
 
-    pub(crate) fn close_unit(&mut self, inst: usize, outputs: &[Tensor], replay: Recompute<'m>) -> Result<()> {
+    pub(crate) fn close_unit(
+        &mut self,
+        inst: usize,
+        outputs: &[Tensor],
+        replay: Recompute<'m>,
+    ) -> Result<()> {
         let top = self.stack.pop();
         debug_assert_eq!(top, Some(inst));
         let end = match self.mode {
@@ -464,7 +495,10 @@ impl<'m> Cx<'m> {
         };
         if matches!(self.mode, Mode::Replay { .. }) && self.units[inst].end_node != end {
             let unit = self.units[inst].desc.name;
-            return Err(self.diverged(unit, "the recompute recorded a different number of ops".into()));
+            return Err(self.diverged(
+                unit,
+                "the recompute recorded a different number of ops".into(),
+            ));
         }
         self.units[inst].end_node = end;
         let fidelity = self.units[inst].fidelity;
@@ -480,7 +514,8 @@ impl<'m> Cx<'m> {
         }
         let u = &self.units[inst];
         let (name, call) = (u.desc.name, u.call);
-        self.ledger.event(EventKind::UnitClosed, name, call, fidelity.to_string());
+        self.ledger
+            .event(EventKind::UnitClosed, name, call, fidelity.to_string());
         if matches!(self.mode, Mode::Forward) {
             // The plain forward does not need the inputs of units that are not recomputed.
             if fidelity != Fidelity::Recompute {
@@ -547,13 +582,16 @@ impl<'m> Cx<'m> {
                 };
                 let data: Vec<f32> = tensor.flatten_all()?.to_dtype(DType::F32)?.to_vec1()?;
                 let mut enc = Encoded::default();
-                codec.encode(&data, &mut enc).map_err(|source| Error::Codec {
-                    unit: self.units[inst].desc.name.to_string(),
-                    source,
-                })?;
+                codec
+                    .encode(&data, &mut enc)
+                    .map_err(|source| Error::Codec {
+                        unit: self.units[inst].desc.name.to_string(),
+                        source,
+                    })?;
                 let key = StorageKey::Encoded(next_encoding_id());
                 self.ledger.add(key, enc.nbytes(), MemClass::Compressed);
-                let old = std::mem::replace(&mut self.nodes[n].slots[s], Slot::Encoded { enc, key });
+                let old =
+                    std::mem::replace(&mut self.nodes[n].slots[s], Slot::Encoded { enc, key });
                 self.release(old);
             }
         }
@@ -576,12 +614,15 @@ impl<'m> Cx<'m> {
                 };
                 let codec = hilore_kernels::codec_by_name(enc.codec)?;
                 let mut data = vec![0f32; enc.len];
-                codec.decode(enc, &mut data).map_err(|source| Error::Codec {
-                    unit: self.units[inst].desc.name.to_string(),
-                    source,
-                })?;
+                codec
+                    .decode(enc, &mut data)
+                    .map_err(|source| Error::Codec {
+                        unit: self.units[inst].desc.name.to_string(),
+                        source,
+                    })?;
                 let meta = &self.nodes[n].meta[s];
-                let t = Tensor::from_vec(data, meta.shape.clone(), &device)?.to_dtype(meta.dtype)?;
+                let t =
+                    Tensor::from_vec(data, meta.shape.clone(), &device)?.to_dtype(meta.dtype)?;
                 let held = self.hold(t, MemClass::Decoded);
                 let old = std::mem::replace(&mut self.nodes[n].slots[s], held);
                 self.release(old);
@@ -623,7 +664,11 @@ impl<'m> Cx<'m> {
             let unit = self.units[inst].desc.name;
             return Err(self.diverged(
                 unit,
-                format!("the recompute ran {} ops, the forward {}", cursor - self.units[inst].first_node, end - self.units[inst].first_node),
+                format!(
+                    "the recompute ran {} ops, the forward {}",
+                    cursor - self.units[inst].first_node,
+                    end - self.units[inst].first_node
+                ),
             ));
         }
         if let Some(fp) = self.units[inst].fingerprint {
@@ -675,15 +720,27 @@ impl<'m> Cx<'m> {
     /// Backward from `output`, seeded with `seed` (the gradient of `output`, e.g. the
     /// per-token coefficients dL/dlogp). Parameter gradients are added into `grads`.
     /// A tape runs backward once.
-    pub fn backward(&mut self, output: &Var, seed: &Tensor, grads: &mut Grads) -> Result<BackwardReport> {
+    pub fn backward(
+        &mut self,
+        output: &Var,
+        seed: &Tensor,
+        grads: &mut Grads,
+    ) -> Result<BackwardReport> {
         if let Some(p) = &self.poisoned {
-            return Err(Error::Tape(format!("the tape is unusable after an earlier error: {p}")));
+            return Err(Error::Tape(format!(
+                "the tape is unusable after an earlier error: {p}"
+            )));
         }
         if !matches!(self.mode, Mode::Forward) || self.backward_done {
-            return Err(Error::Tape("backward runs once, after a recorded forward; create a new Cx per microbatch".into()));
+            return Err(Error::Tape(
+                "backward runs once, after a recorded forward; create a new Cx per microbatch"
+                    .into(),
+            ));
         }
         if !self.stack.is_empty() {
-            return Err(Error::Tape("backward called while a recovery unit is still open".into()));
+            return Err(Error::Tape(
+                "backward called while a recovery unit is still open".into(),
+            ));
         }
         if seed.shape() != output.tensor.shape() {
             return Err(Error::Tape(format!(
@@ -695,7 +752,8 @@ impl<'m> Cx<'m> {
         let t0 = Instant::now();
         self.backward_done = true;
         self.mode = Mode::Backward;
-        self.ledger.event(EventKind::BackwardStart, "", 0, String::new());
+        self.ledger
+            .event(EventKind::BackwardStart, "", 0, String::new());
         let mut report = BackwardReport::default();
         let mut agrads: HashMap<VarId, Tensor> = HashMap::new();
         if output.kind == VarKind::Param {
@@ -716,7 +774,9 @@ impl<'m> Cx<'m> {
                 let mut saved = Vec::with_capacity(node.slots.len());
                 for (s, slot) in node.slots.iter().enumerate() {
                     match slot {
-                        Slot::Held { tensor, .. } | Slot::Param(tensor) => saved.push(tensor.clone()),
+                        Slot::Held { tensor, .. } | Slot::Param(tensor) => {
+                            saved.push(tensor.clone())
+                        }
                         _ => {
                             return Err(Error::Tape(format!(
                                 "op {idx} (`{}`) slot {s} is not materialized in backward",
@@ -725,7 +785,11 @@ impl<'m> Cx<'m> {
                         }
                     }
                 }
-                let needs: Vec<bool> = node.inputs.iter().map(|(_, k)| *k != VarKind::Constant).collect();
+                let needs: Vec<bool> = node
+                    .inputs
+                    .iter()
+                    .map(|(_, k)| *k != VarKind::Constant)
+                    .collect();
                 let gin = node.op.backward(&saved, &g, &needs)?;
                 drop(saved);
                 report.ops += 1;
@@ -761,7 +825,8 @@ impl<'m> Cx<'m> {
             self.release_inputs(u);
             self.units[u].recompute = None;
         }
-        self.ledger.event(EventKind::BackwardEnd, "", 0, String::new());
+        self.ledger
+            .event(EventKind::BackwardEnd, "", 0, String::new());
         report.checks = std::mem::take(&mut self.checks);
         self.times.backward += t0.elapsed();
         Ok(report)
@@ -805,8 +870,14 @@ fn fingerprint(tensors: &[Tensor]) -> Result<u64> {
         let t = t.flatten_all()?;
         eat(&(t.dims()[0] as u64).to_le_bytes());
         match t.dtype() {
-            DType::F64 => t.to_vec1::<f64>()?.iter().for_each(|v| eat(&v.to_bits().to_le_bytes())),
-            DType::U32 => t.to_vec1::<u32>()?.iter().for_each(|v| eat(&v.to_le_bytes())),
+            DType::F64 => t
+                .to_vec1::<f64>()?
+                .iter()
+                .for_each(|v| eat(&v.to_bits().to_le_bytes())),
+            DType::U32 => t
+                .to_vec1::<u32>()?
+                .iter()
+                .for_each(|v| eat(&v.to_le_bytes())),
             _ => t
                 .to_dtype(DType::F32)?
                 .to_vec1::<f32>()?

@@ -41,8 +41,16 @@ impl Op for Add {
     }
     fn backward(&self, _: &[Tensor], g: &Tensor, need: &[bool]) -> Result<Vec<Option<Tensor>>> {
         Ok(vec![
-            if need[0] { Some(reduce_to_shape(g, &self.a)?) } else { None },
-            if need[1] { Some(reduce_to_shape(g, &self.b)?) } else { None },
+            if need[0] {
+                Some(reduce_to_shape(g, &self.a)?)
+            } else {
+                None
+            },
+            if need[1] {
+                Some(reduce_to_shape(g, &self.b)?)
+            } else {
+                None
+            },
         ])
     }
 }
