@@ -1,0 +1,648 @@
+//! The decoder, written with recovery units.
+
+use crate::rng::SplitMix64;
+use crate::{DecoderConfig, ModelError, TokenBatch};
+use candle_core::{DType, Device, Tensor};
+use hilore_runtime::{recovery_unit, Cx, Error, Packing, Result, RopeTables, Var};
+use std::collections::HashMap;
+
+/// Standard deviation of the random projection and embedding weights (HF's
+/// `initializer_range` default).
+pub const INIT_STD: f64 = 0.02;
+/// Standard deviation of the random perturbation of RMSNorm weights around 1, so that
+/// gradient checks see a non-trivial norm weight.
+pub const NORM_INIT_STD: f64 = 0.1;
+
+/// How many `f32` logits the LM head computes at once by default (`rows x vocab`): 16 MiB.
+pub const DEFAULT_LOGITS_CHUNK_ELEMS: usize = 1 << 22;
+
+/// The sizes every unit's cost expression needs (a `Copy` summary of the config).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Dims {
+    /// `vocab_size`.
+    pub vocab: usize,
+    /// `hidden_size`.
+    pub hidden: usize,
+    /// `intermediate_size`.
+    pub inter: usize,
+    /// `num_attention_heads`.
+    pub heads: usize,
+    /// `num_key_value_heads`.
+    pub kv_heads: usize,
+    /// `head_dim`.
+    pub head_dim: usize,
+    /// `rms_norm_eps`.
+    pub eps: f64,
+}
+
+/// Forward FLOP estimates of the units, for `n` rows (tokens) and, for attention, the
+/// sum of squared sequence lengths. A multiply-add counts 2; elementwise ops count one per
+/// element and op.
+impl Dims {
+    fn of(cfg: &DecoderConfig) -> Self {
+        Dims {
+            vocab: cfg.vocab_size,
+            hidden: cfg.hidden_size,
+            inter: cfg.intermediate_size,
+            heads: cfg.num_attention_heads,
+            kv_heads: cfg.num_key_value_heads,
+            head_dim: cfg.head_dim,
+            eps: cfg.rms_norm_eps,
+        }
+    }
+
+    fn q_dim(&self) -> usize {
+        self.heads * self.head_dim
+    }
+
+    fn kv_dim(&self) -> usize {
+        self.kv_heads * self.head_dim
+    }
+
+    /// A row copy per token (no arithmetic; counted as one op per element).
+    pub fn embed_cost(&self, n: usize) -> usize {
+        n * self.hidden
+    }
+
+    /// Square, mean, scale, weight: about 4 ops per element.
+    pub fn norm_cost(&self, n: usize) -> usize {
+        4 * n * self.hidden
+    }
+
+    /// Three projections, and RoPE (6 ops per element) on q and k.
+    pub fn qkv_cost(&self, n: usize) -> usize {
+        2 * n * self.hidden * (self.q_dim() + 2 * self.kv_dim())
+            + 6 * n * (self.q_dim() + self.kv_dim())
+    }
+
+    /// `Q K^T` and `P V` over the full `T x T` block of each sequence (the op computes the
+    /// masked half too), plus about 5 softmax ops per score.
+    pub fn attn_core_cost(&self, sum_sq_lengths: usize) -> usize {
+        4 * sum_sq_lengths * self.q_dim() + 5 * sum_sq_lengths * self.heads
+    }
+
+    /// The output projection and the residual add.
+    pub fn attn_out_cost(&self, n: usize) -> usize {
+        2 * n * self.q_dim() * self.hidden + n * self.hidden
+    }
+
+    /// Gate and up projections and SwiGLU (about 5 ops per element).
+    pub fn gate_up_cost(&self, n: usize) -> usize {
+        4 * n * self.hidden * self.inter + 5 * n * self.inter
+    }
+
+    /// The down projection and the residual add.
+    pub fn down_cost(&self, n: usize) -> usize {
+        2 * n * self.inter * self.hidden + n * self.hidden
+    }
+
+    /// A whole decoder layer.
+    pub fn layer_cost(&self, n: usize, sum_sq_lengths: usize) -> usize {
+        2 * self.norm_cost(n)
+            + self.qkv_cost(n)
+            + self.attn_core_cost(sum_sq_lengths)
+            + self.attn_out_cost(n)
+            + self.gate_up_cost(n)
+            + self.down_cost(n)
+    }
+
+    /// Final norm, logits (chunked) and their log-sum-exp (about 4 ops per logit).
+    pub fn head_cost(&self, n: usize) -> usize {
+        self.norm_cost(n) + 2 * n * self.hidden * self.vocab + 4 * n * self.vocab
+    }
+}
+
+/// A projection `x W^T (+ b)`, with HF's `[out, in]` weight layout.
+#[derive(Debug, Clone)]
+pub struct Linear {
+    /// `[out, in]`.
+    pub weight: Var,
+    /// `[out]`, if the projection has a bias.
+    pub bias: Option<Var>,
+}
+
+impl Linear {
+    fn forward(&self, cx: &mut Cx, x: &Var) -> Result<Var> {
+        cx.linear(x, &self.weight, self.bias.as_ref())
+    }
+}
+
+/// Grouped-query self-attention: three of the layer's units.
+#[derive(Debug)]
+pub struct Attention {
+    pub q_proj: Linear,
+    pub k_proj: Linear,
+    pub v_proj: Linear,
+    pub o_proj: Linear,
+    dims: Dims,
+}
+
+impl Attention {
+    /// Unit `qkv`: the q/k/v projections (with their biases when the config has them) and
+    /// RoPE on q and k; returns `q: [N, Hq, D]`, `k, v: [N, Hkv, D]`.
+    ///
+    /// Saves the normed hidden state `h: [N, hidden]` (one storage, read by all three
+    /// projections' weight gradients) and the shared RoPE tables (exact, counted once for
+    /// the whole model). The pre-RoPE q and k are not saved: RoPE is linear.
+    #[recovery_unit(name = "qkv", cost = self.dims.qkv_cost(h.dim(0)?), deterministic)]
+    pub fn qkv(&self, cx: &mut Cx, h: &Var, rope: &RopeTables) -> Result<(Var, Var, Var)> {
+        let n = h.dim(0)?;
+        let d = self.dims;
+        let q = self.q_proj.forward(cx, h)?;
+        let q = cx.reshape(&q, (n, d.heads, d.head_dim))?;
+        let q = cx.rope(&q, rope)?;
+        let k = self.k_proj.forward(cx, h)?;
+        let k = cx.reshape(&k, (n, d.kv_heads, d.head_dim))?;
+        let k = cx.rope(&k, rope)?;
+        let v = self.v_proj.forward(cx, h)?;
+        let v = cx.reshape(&v, (n, d.kv_heads, d.head_dim))?;
+        Ok((q, k, v))
+    }
+
+    /// Unit `attn_core`: causal attention within each packed sequence, query head `h`
+    /// reading key/value head `h / (Hq / Hkv)`, scores scaled by `1 / sqrt(D)`.
+    ///
+    /// Saves q, k, v, the output o and the per-row log-sum-exp (`[Hq, N]`, exact): the
+    /// flash-attention set, never the `T x T` probabilities.
+    #[recovery_unit(name = "attn_core", cost = self.dims.attn_core_cost(packing.sum_sq_lengths()), deterministic)]
+    pub fn core(&self, cx: &mut Cx, q: &Var, k: &Var, v: &Var, packing: &Packing) -> Result<Var> {
+        let scale = 1.0 / (self.dims.head_dim as f64).sqrt();
+        cx.attention(q, k, v, packing, scale)
+    }
+
+    /// Unit `attn_out`: the output projection of the concatenated heads, plus the
+    /// residual. Saves o (the same storage `attn_core` saves: counted once while both
+    /// hold it); the add saves nothing.
+    #[recovery_unit(name = "attn_out", cost = self.dims.attn_out_cost(o.dim(0)?), deterministic)]
+    pub fn out(&self, cx: &mut Cx, o: &Var, residual: &Var) -> Result<Var> {
+        let n = o.dim(0)?;
+        let o = cx.reshape(o, (n, self.dims.q_dim()))?;
+        let y = self.o_proj.forward(cx, &o)?;
+        cx.add(residual, &y)
+    }
+}
+
+/// The SwiGLU MLP: two of the layer's units.
+#[derive(Debug)]
+pub struct Mlp {
+    pub gate_proj: Linear,
+    pub up_proj: Linear,
+    pub down_proj: Linear,
+    dims: Dims,
+}
+
+impl Mlp {
+    /// Unit `gate_up`: `silu(h W_gate^T) * (h W_up^T)`. Saves the normed input
+    /// `[N, hidden]` and both projections `[N, inter]`: the widest unit of the layer.
+    #[recovery_unit(name = "gate_up", cost = self.dims.gate_up_cost(h.dim(0)?), deterministic)]
+    pub fn gate_up(&self, cx: &mut Cx, h: &Var) -> Result<Var> {
+        let gate = self.gate_proj.forward(cx, h)?;
+        let up = self.up_proj.forward(cx, h)?;
+        cx.swiglu(&gate, &up)
+    }
+
+    /// Unit `down`: the down projection plus the residual. Saves the SwiGLU output
+    /// `[N, inter]`.
+    #[recovery_unit(name = "down", cost = self.dims.down_cost(a.dim(0)?), deterministic)]
+    pub fn down(&self, cx: &mut Cx, a: &Var, residual: &Var) -> Result<Var> {
+        let y = self.down_proj.forward(cx, a)?;
+        cx.add(residual, &y)
+    }
+}
+
+/// One pre-norm decoder layer: `x + attn(norm(x))`, then `x + mlp(norm(x))`.
+#[derive(Debug)]
+pub struct DecoderLayer {
+    pub input_layernorm: Var,
+    pub self_attn: Attention,
+    pub post_attention_layernorm: Var,
+    pub mlp: Mlp,
+    dims: Dims,
+}
+
+impl DecoderLayer {
+    /// Unit `attn_norm`: RMSNorm before attention. Saves the layer input `[N, hidden]`.
+    #[recovery_unit(name = "attn_norm", cost = self.dims.norm_cost(x.dim(0)?), deterministic)]
+    pub fn attn_norm(&self, cx: &mut Cx, x: &Var) -> Result<Var> {
+        cx.rms_norm(x, &self.input_layernorm, self.dims.eps)
+    }
+
+    /// Unit `mlp_norm`: RMSNorm before the MLP. Saves the residual stream after
+    /// attention `[N, hidden]`.
+    #[recovery_unit(name = "mlp_norm", cost = self.dims.norm_cost(x.dim(0)?), deterministic)]
+    pub fn mlp_norm(&self, cx: &mut Cx, x: &Var) -> Result<Var> {
+        cx.rms_norm(x, &self.post_attention_layernorm, self.dims.eps)
+    }
+
+    /// Unit `layer`: the whole layer, made of the seven units above. It records no op of
+    /// its own, so it saves nothing itself; as Recompute it is classic per-layer gradient
+    /// checkpointing: after the forward only its input `x` (and the batch's shared
+    /// positions and RoPE tables) is kept, and backward re-runs the layer, each inner unit
+    /// with its own fidelity.
+    #[recovery_unit(name = "layer", cost = self.dims.layer_cost(x.dim(0)?, packing.sum_sq_lengths()), deterministic)]
+    pub fn forward(
+        &self,
+        cx: &mut Cx,
+        x: &Var,
+        packing: &Packing,
+        rope: &RopeTables,
+    ) -> Result<Var> {
+        let h = self.attn_norm(cx, x)?;
+        let (q, k, v) = self.self_attn.qkv(cx, &h, rope)?;
+        let o = self.self_attn.core(cx, &q, &k, &v, packing)?;
+        let x = self.self_attn.out(cx, &o, x)?;
+        let h = self.mlp_norm(cx, &x)?;
+        let a = self.mlp.gate_up(cx, &h)?;
+        self.mlp.down(cx, &a, &x)
+    }
+}
+
+/// A Llama/Qwen2-family decoder whose parameters are `f32` tape parameters.
+#[derive(Debug)]
+pub struct Decoder {
+    cfg: DecoderConfig,
+    dims: Dims,
+    embed_tokens: Var,
+    layers: Vec<DecoderLayer>,
+    norm: Var,
+    lm_head: Option<Var>,
+    logits_chunk_rows: usize,
+}
+
+/// How a parameter is initialized by [`Decoder::random`].
+#[derive(Clone, Copy)]
+enum Init {
+    /// `N(0, INIT_STD)`.
+    Weight,
+    /// `1 + N(0, NORM_INIT_STD)`.
+    Norm,
+    /// `N(0, INIT_STD)`: small, but nonzero so its gradient path is exercised.
+    Bias,
+}
+
+/// Every parameter of a config: name, shape, initialization, in [`Decoder::named_params`]
+/// order.
+fn param_specs(cfg: &DecoderConfig) -> Vec<(String, Vec<usize>, Init)> {
+    let (h, i, q, kv) = (
+        cfg.hidden_size,
+        cfg.intermediate_size,
+        cfg.q_dim(),
+        cfg.kv_dim(),
+    );
+    let mut v = vec![(
+        "model.embed_tokens.weight".to_string(),
+        vec![cfg.vocab_size, h],
+        Init::Weight,
+    )];
+    for l in 0..cfg.num_hidden_layers {
+        let p = format!("model.layers.{l}");
+        v.push((format!("{p}.input_layernorm.weight"), vec![h], Init::Norm));
+        for (name, out) in [("q_proj", q), ("k_proj", kv), ("v_proj", kv)] {
+            v.push((
+                format!("{p}.self_attn.{name}.weight"),
+                vec![out, h],
+                Init::Weight,
+            ));
+            if cfg.attention_bias {
+                v.push((format!("{p}.self_attn.{name}.bias"), vec![out], Init::Bias));
+            }
+        }
+        v.push((
+            format!("{p}.self_attn.o_proj.weight"),
+            vec![h, q],
+            Init::Weight,
+        ));
+        v.push((
+            format!("{p}.post_attention_layernorm.weight"),
+            vec![h],
+            Init::Norm,
+        ));
+        v.push((
+            format!("{p}.mlp.gate_proj.weight"),
+            vec![i, h],
+            Init::Weight,
+        ));
+        v.push((format!("{p}.mlp.up_proj.weight"), vec![i, h], Init::Weight));
+        v.push((
+            format!("{p}.mlp.down_proj.weight"),
+            vec![h, i],
+            Init::Weight,
+        ));
+    }
+    v.push(("model.norm.weight".to_string(), vec![h], Init::Norm));
+    if !cfg.tie_word_embeddings {
+        v.push((
+            "lm_head.weight".to_string(),
+            vec![cfg.vocab_size, h],
+            Init::Weight,
+        ));
+    }
+    v
+}
+
+impl Decoder {
+    /// A decoder with seeded random weights: projections and embeddings `N(0, 0.02)`,
+    /// RMSNorm weights `1 + N(0, 0.1)`, biases `N(0, 0.02)`. Each parameter draws from its
+    /// own stream (seed x parameter name), so the values do not depend on the order of
+    /// construction.
+    pub fn random(cfg: &DecoderConfig, seed: u64, device: &Device) -> Result<Self, ModelError> {
+        cfg.validate()?;
+        let mut tensors = HashMap::new();
+        for (name, shape, init) in param_specs(cfg) {
+            let mut rng = SplitMix64::for_stream(seed, &name);
+            let n: usize = shape.iter().product();
+            let (mean, std) = match init {
+                Init::Weight | Init::Bias => (0.0, INIT_STD),
+                Init::Norm => (1.0, NORM_INIT_STD),
+            };
+            let data: Vec<f32> = (0..n).map(|_| (mean + std * rng.normal()) as f32).collect();
+            tensors.insert(name, Tensor::from_vec(data, shape, device)?);
+        }
+        Self::from_tensors(cfg, &tensors)
+    }
+
+    /// A decoder from named tensors (the HF / candle-transformers names of
+    /// [`Decoder::named_params`]), converted to `f32`. Every tensor the config needs must
+    /// be present with the right shape; extra tensors are ignored.
+    pub fn from_tensors(
+        cfg: &DecoderConfig,
+        tensors: &HashMap<String, Tensor>,
+    ) -> Result<Self, ModelError> {
+        cfg.validate()?;
+        let take = |name: &str, shape: &[usize]| -> Result<Var, ModelError> {
+            let t = tensors.get(name).ok_or_else(|| ModelError::Param {
+                name: name.to_string(),
+                problem: format!("missing; the config needs it with shape {shape:?}"),
+            })?;
+            if t.dims() != shape {
+                return Err(ModelError::Param {
+                    name: name.to_string(),
+                    problem: format!("has shape {:?}, the config needs {shape:?}", t.dims()),
+                });
+            }
+            if !t.dtype().is_float() {
+                return Err(ModelError::Param {
+                    name: name.to_string(),
+                    problem: format!(
+                        "has dtype {:?}, expected a floating-point tensor",
+                        t.dtype()
+                    ),
+                });
+            }
+            Ok(Var::param(t.to_dtype(DType::F32)?.contiguous()?))
+        };
+        let dims = Dims::of(cfg);
+        let (h, i, q, kv) = (
+            cfg.hidden_size,
+            cfg.intermediate_size,
+            cfg.q_dim(),
+            cfg.kv_dim(),
+        );
+        let embed_tokens = take("model.embed_tokens.weight", &[cfg.vocab_size, h])?;
+        let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
+        for l in 0..cfg.num_hidden_layers {
+            let p = format!("model.layers.{l}");
+            let proj =
+                |name: &str, out: usize, inp: usize, bias: bool| -> Result<Linear, ModelError> {
+                    Ok(Linear {
+                        weight: take(&format!("{p}.{name}.weight"), &[out, inp])?,
+                        bias: if bias {
+                            Some(take(&format!("{p}.{name}.bias"), &[out])?)
+                        } else {
+                            None
+                        },
+                    })
+                };
+            let b = cfg.attention_bias;
+            let self_attn = Attention {
+                q_proj: proj("self_attn.q_proj", q, h, b)?,
+                k_proj: proj("self_attn.k_proj", kv, h, b)?,
+                v_proj: proj("self_attn.v_proj", kv, h, b)?,
+                o_proj: proj("self_attn.o_proj", h, q, false)?,
+                dims,
+            };
+            let mlp = Mlp {
+                gate_proj: proj("mlp.gate_proj", i, h, false)?,
+                up_proj: proj("mlp.up_proj", i, h, false)?,
+                down_proj: proj("mlp.down_proj", h, i, false)?,
+                dims,
+            };
+            layers.push(DecoderLayer {
+                input_layernorm: take(&format!("{p}.input_layernorm.weight"), &[h])?,
+                self_attn,
+                post_attention_layernorm: take(
+                    &format!("{p}.post_attention_layernorm.weight"),
+                    &[h],
+                )?,
+                mlp,
+                dims,
+            });
+        }
+        let norm = take("model.norm.weight", &[h])?;
+        let lm_head = if cfg.tie_word_embeddings {
+            None
+        } else {
+            Some(take("lm_head.weight", &[cfg.vocab_size, h])?)
+        };
+        Ok(Decoder {
+            cfg: cfg.clone(),
+            dims,
+            embed_tokens,
+            layers,
+            norm,
+            lm_head,
+            logits_chunk_rows: (DEFAULT_LOGITS_CHUNK_ELEMS / cfg.vocab_size).max(1),
+        })
+    }
+
+    /// Computes the LM head's logits `rows` tokens at a time (default: as many rows as
+    /// fit [`DEFAULT_LOGITS_CHUNK_ELEMS`] logits).
+    pub fn with_logits_chunk_rows(mut self, rows: usize) -> Self {
+        self.logits_chunk_rows = rows.max(1);
+        self
+    }
+
+    /// The config.
+    pub fn config(&self) -> &DecoderConfig {
+        &self.cfg
+    }
+
+    /// The sizes the units' cost expressions use.
+    pub fn dims(&self) -> Dims {
+        self.dims
+    }
+
+    /// The layers.
+    pub fn layers(&self) -> &[DecoderLayer] {
+        &self.layers
+    }
+
+    /// Every parameter with its Hugging Face / candle-transformers name, in a stable order:
+    /// the embedding, each layer (input norm, q/k/v projections with their biases when
+    /// present, o projection, post-attention norm, gate/up/down), the final norm, and
+    /// `lm_head.weight` unless the embeddings are tied.
+    pub fn named_params(&self) -> Vec<(String, Var)> {
+        let mut out = Vec::new();
+        self.visit(|name, v| out.push((name, v.clone())));
+        out
+    }
+
+    /// Mutable access to every parameter (e.g. for an optimizer step with
+    /// [`Var::set_tensor`]), in [`Decoder::named_params`] order.
+    pub fn named_params_mut(&mut self) -> Vec<(String, &mut Var)> {
+        let mut out: Vec<(String, &mut Var)> =
+            vec![("model.embed_tokens.weight".into(), &mut self.embed_tokens)];
+        for (l, layer) in self.layers.iter_mut().enumerate() {
+            let p = format!("model.layers.{l}");
+            out.push((
+                format!("{p}.input_layernorm.weight"),
+                &mut layer.input_layernorm,
+            ));
+            let a = &mut layer.self_attn;
+            for (name, lin) in [
+                ("q_proj", &mut a.q_proj),
+                ("k_proj", &mut a.k_proj),
+                ("v_proj", &mut a.v_proj),
+            ] {
+                out.push((format!("{p}.self_attn.{name}.weight"), &mut lin.weight));
+                if let Some(b) = &mut lin.bias {
+                    out.push((format!("{p}.self_attn.{name}.bias"), b));
+                }
+            }
+            out.push((format!("{p}.self_attn.o_proj.weight"), &mut a.o_proj.weight));
+            out.push((
+                format!("{p}.post_attention_layernorm.weight"),
+                &mut layer.post_attention_layernorm,
+            ));
+            let m = &mut layer.mlp;
+            out.push((format!("{p}.mlp.gate_proj.weight"), &mut m.gate_proj.weight));
+            out.push((format!("{p}.mlp.up_proj.weight"), &mut m.up_proj.weight));
+            out.push((format!("{p}.mlp.down_proj.weight"), &mut m.down_proj.weight));
+        }
+        out.push(("model.norm.weight".into(), &mut self.norm));
+        if let Some(w) = &mut self.lm_head {
+            out.push(("lm_head.weight".into(), w));
+        }
+        out
+    }
+
+    fn visit(&self, mut f: impl FnMut(String, &Var)) {
+        f("model.embed_tokens.weight".into(), &self.embed_tokens);
+        for (l, layer) in self.layers.iter().enumerate() {
+            let p = format!("model.layers.{l}");
+            f(
+                format!("{p}.input_layernorm.weight"),
+                &layer.input_layernorm,
+            );
+            let a = &layer.self_attn;
+            for (name, lin) in [
+                ("q_proj", &a.q_proj),
+                ("k_proj", &a.k_proj),
+                ("v_proj", &a.v_proj),
+            ] {
+                f(format!("{p}.self_attn.{name}.weight"), &lin.weight);
+                if let Some(b) = &lin.bias {
+                    f(format!("{p}.self_attn.{name}.bias"), b);
+                }
+            }
+            f(format!("{p}.self_attn.o_proj.weight"), &a.o_proj.weight);
+            f(
+                format!("{p}.post_attention_layernorm.weight"),
+                &layer.post_attention_layernorm,
+            );
+            f(
+                format!("{p}.mlp.gate_proj.weight"),
+                &layer.mlp.gate_proj.weight,
+            );
+            f(format!("{p}.mlp.up_proj.weight"), &layer.mlp.up_proj.weight);
+            f(
+                format!("{p}.mlp.down_proj.weight"),
+                &layer.mlp.down_proj.weight,
+            );
+        }
+        f("model.norm.weight".into(), &self.norm);
+        if let Some(w) = &self.lm_head {
+            f("lm_head.weight".into(), w);
+        }
+    }
+
+    /// Number of scalar parameters (a tied head counted once).
+    pub fn num_params(&self) -> usize {
+        let mut n = 0;
+        self.visit(|_, v| n += v.elem_count());
+        n
+    }
+
+    /// The LM head's weight: `lm_head.weight`, or the embedding matrix when tied.
+    pub fn head_weight(&self) -> &Var {
+        self.lm_head.as_ref().unwrap_or(&self.embed_tokens)
+    }
+
+    /// Unit `embed`: the embedding lookup. Saves the input ids (exact, `u32 [N]`).
+    #[recovery_unit(name = "embed", cost = self.dims.embed_cost(ids.elem_count()), deterministic)]
+    pub fn embed(&self, cx: &mut Cx, ids: &Var) -> Result<Var> {
+        cx.embedding(&self.embed_tokens, ids.tensor())
+    }
+
+    /// Unit `head`: the final RMSNorm and the log-probs of `targets` under the LM head,
+    /// chunked so the `[N, vocab]` logits never exist at once. Saves the last layer's
+    /// output and the normed hidden state (`[N, hidden]` each), the targets and the
+    /// per-token log-sum-exp (exact, `[N]` each).
+    #[recovery_unit(name = "head", cost = self.dims.head_cost(x.dim(0)?), deterministic)]
+    pub fn head(&self, cx: &mut Cx, x: &Var, targets: &Var) -> Result<Var> {
+        let h = cx.rms_norm(x, &self.norm, self.dims.eps)?;
+        cx.token_logprobs(
+            &h,
+            self.head_weight(),
+            targets.tensor(),
+            self.logits_chunk_rows,
+        )
+    }
+
+    /// Per-token log-probs `[N]` of `batch.targets`: embedding, the layers, the head, each
+    /// a recovery unit whose fidelity comes from `cx`'s plan. With [`Cx::inference`] the
+    /// same code only computes.
+    pub fn token_logprobs<'m>(&'m self, cx: &mut Cx<'m>, batch: &TokenBatch) -> Result<Var> {
+        self.check_batch(batch)?;
+        let ids = Var::constant(batch.inputs.clone());
+        let targets = Var::constant(batch.targets.clone());
+        let mut x = self.embed(cx, &ids)?;
+        for layer in &self.layers {
+            x = layer.forward(cx, &x, &batch.packing, &batch.rope)?;
+        }
+        self.head(cx, &x, &targets)
+    }
+
+    fn check_batch(&self, batch: &TokenBatch) -> Result<()> {
+        let n = batch.num_tokens();
+        let bad = |what: String| {
+            Err(Error::Tape(format!("token batch does not fit the model: {what}; build it with TokenBatch::from_sequences for this model's config")))
+        };
+        if batch.inputs.dims() != [n] || batch.targets.dims() != [n] || batch.rope.num_tokens() != n
+        {
+            return bad(format!(
+                "inputs {:?}, targets {:?} and rope tables of {} rows should all have the packing's {n} rows",
+                batch.inputs.dims(),
+                batch.targets.dims(),
+                batch.rope.num_tokens()
+            ));
+        }
+        if batch.rope.head_dim() != self.cfg.head_dim {
+            return bad(format!(
+                "rope tables are for head_dim {}, the model has {}",
+                batch.rope.head_dim(),
+                self.cfg.head_dim
+            ));
+        }
+        for (what, t) in [("input", &batch.inputs), ("target", &batch.targets)] {
+            let max = t.max(0)?.to_scalar::<u32>()? as usize;
+            if max >= self.cfg.vocab_size {
+                return bad(format!(
+                    "{what} id {max} is outside the vocabulary of {} ids",
+                    self.cfg.vocab_size
+                ));
+            }
+        }
+        Ok(())
+    }
+}
