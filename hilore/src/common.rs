@@ -1,0 +1,189 @@
+//! What the commands share: the model, the batch, coefficients, one pass, comparisons.
+
+use anyhow::Context;
+use candle_core::{DType, Device, Tensor};
+use hilore_models::{Decoder, DecoderConfig, TokenBatch};
+use hilore_runtime::{BackwardReport, Cx, Grads, Plan};
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+/// Loads a config.json, or the built-in default.
+pub fn load_config(path: Option<&Path>) -> anyhow::Result<DecoderConfig> {
+    match path {
+        Some(p) => DecoderConfig::from_json_file(p)
+            .with_context(|| format!("loading model config {}", p.display())),
+        None => Ok(DecoderConfig::tiny()),
+    }
+}
+
+/// Sequence lengths given as `48,64,80` on the command line.
+#[derive(Debug, Clone)]
+pub struct Lengths(pub Vec<usize>);
+
+impl std::str::FromStr for Lengths {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        s.split(',')
+            .map(|p| {
+                let l = p
+                    .trim()
+                    .parse::<usize>()
+                    .map_err(|e| format!("`{p}` is not a sequence length: {e}"))?;
+                if l < 2 {
+                    return Err(format!(
+                        "sequence length {l} is below 2 (a sequence needs one input and one target token)"
+                    ));
+                }
+                Ok(l)
+            })
+            .collect::<Result<Vec<_>, _>>()
+            .map(Lengths)
+    }
+}
+
+/// Deterministic standard-normal values (splitmix64 + Box-Muller).
+pub fn normal_vec(n: usize, seed: u64) -> Vec<f32> {
+    let mut state = seed ^ 0x5DEE_CE66_D1CE_4E5B;
+    let mut next = || {
+        state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = state;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^= z >> 31;
+        ((z >> 11) as f64 + 0.5) / (1u64 << 53) as f64
+    };
+    (0..n)
+        .map(|_| {
+            let (u1, u2) = (next(), next());
+            ((-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos()) as f32
+        })
+        .collect()
+}
+
+/// Per-token coefficients dL/dlogp for a check: random, nonzero.
+pub fn coefficients(n: usize, seed: u64, device: &Device) -> anyhow::Result<Tensor> {
+    Ok(Tensor::from_vec(normal_vec(n, seed), n, device)?)
+}
+
+/// The outcome of one forward+backward.
+pub struct Pass {
+    pub grads: Vec<(String, Tensor)>,
+    pub peak_activation_bytes: usize,
+    pub report: BackwardReport,
+    pub forward: Duration,
+    pub backward: Duration,
+    pub times: hilore_runtime::TapeTimes,
+}
+
+/// One forward+backward of `model` on `batch` under `plan`, seeded with `coeffs`.
+pub fn run_pass(
+    model: &Decoder,
+    batch: &TokenBatch,
+    coeffs: &Tensor,
+    plan: Plan,
+    verify: bool,
+) -> anyhow::Result<Pass> {
+    let mut cx = Cx::new(plan).verify_recompute(verify);
+    let t0 = Instant::now();
+    let logp = model.token_logprobs(&mut cx, batch)?;
+    let forward = t0.elapsed();
+    let mut grads = Grads::new();
+    let t1 = Instant::now();
+    let report = cx.backward(&logp, coeffs, &mut grads)?;
+    let backward = t1.elapsed();
+    drop(logp);
+    let named = model
+        .named_params()
+        .into_iter()
+        .map(|(name, var)| {
+            let g = grads
+                .get(var.id())
+                .cloned()
+                .with_context(|| format!("no gradient reached parameter {name}"))?;
+            Ok((name, g))
+        })
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    Ok(Pass {
+        grads: named,
+        peak_activation_bytes: cx.memory().peak_bytes(),
+        report,
+        forward,
+        backward,
+        times: cx.times().clone(),
+    })
+}
+
+/// How far `got` is from `want`, over every parameter.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct GradDiff {
+    /// Largest absolute elementwise difference over all parameters.
+    pub max_abs_diff: f64,
+    /// ||got - want|| / ||want|| over all parameters together.
+    pub rel_l2: f64,
+    /// The largest per-parameter relative L2 error, and which parameter.
+    pub worst_param: String,
+    pub worst_param_rel_l2: f64,
+    /// Whether every gradient is equal bit for bit.
+    pub bit_identical: bool,
+    /// Cosine similarity of the flattened gradients.
+    pub cosine: f64,
+}
+
+pub fn compare(got: &[(String, Tensor)], want: &[(String, Tensor)]) -> anyhow::Result<GradDiff> {
+    let mut max_abs: f64 = 0.0;
+    let (mut num, mut den, mut dot, mut gg) = (0f64, 0f64, 0f64, 0f64);
+    let mut worst = (String::new(), 0f64);
+    let mut bits = true;
+    for ((name, g), (_, w)) in got.iter().zip(want) {
+        let g: Vec<f32> = g.flatten_all()?.to_dtype(DType::F32)?.to_vec1()?;
+        let w: Vec<f32> = w.flatten_all()?.to_dtype(DType::F32)?.to_vec1()?;
+        let (mut n, mut d) = (0f64, 0f64);
+        for (&a, &b) in g.iter().zip(&w) {
+            bits &= a.to_bits() == b.to_bits();
+            let diff = a as f64 - b as f64;
+            max_abs = max_abs.max(diff.abs());
+            n += diff * diff;
+            d += (b as f64) * (b as f64);
+            dot += a as f64 * b as f64;
+            gg += a as f64 * a as f64;
+        }
+        let rel = if d > 0.0 { (n / d).sqrt() } else { n.sqrt() };
+        if rel >= worst.1 {
+            worst = (name.clone(), rel);
+        }
+        num += n;
+        den += d;
+    }
+    Ok(GradDiff {
+        max_abs_diff: max_abs,
+        rel_l2: if den > 0.0 {
+            (num / den).sqrt()
+        } else {
+            num.sqrt()
+        },
+        worst_param: worst.0,
+        worst_param_rel_l2: worst.1,
+        bit_identical: bits,
+        cosine: if gg > 0.0 && den > 0.0 {
+            dot / (gg.sqrt() * den.sqrt())
+        } else {
+            1.0
+        },
+    })
+}
+
+/// `1234567` as `1.18 MiB`.
+pub fn human_bytes(b: usize) -> String {
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut v = b as f64;
+    let mut i = 0;
+    while v >= 1024.0 && i + 1 < UNITS.len() {
+        v /= 1024.0;
+        i += 1;
+    }
+    if i == 0 {
+        format!("{b} B")
+    } else {
+        format!("{v:.2} {}", UNITS[i])
+    }
+}
