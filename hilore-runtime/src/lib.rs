@@ -40,10 +40,13 @@
 
 extern crate self as hilore_runtime;
 
+pub mod allocator;
 mod error;
 mod fidelity;
 mod grads;
+pub mod grpo;
 pub mod memory;
+pub mod opaque;
 pub mod ops;
 mod packing;
 mod tape;

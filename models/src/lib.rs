@@ -74,9 +74,11 @@ mod batch;
 mod config;
 mod decoder;
 mod error;
+pub mod generate;
 pub mod plans;
 pub mod reference;
 pub mod rng;
+pub mod zoo;
 
 pub use batch::TokenBatch;
 pub use config::{DecoderConfig, SUPPORTED_MODEL_TYPES};

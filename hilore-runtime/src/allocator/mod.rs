@@ -1,0 +1,1 @@
+//! The allocator: measured costs, exposure-conditioned risk, budgets and the plan solver.

@@ -1,0 +1,1 @@
+//! Opaque recovery units: unmodified candle closures and zoo modules managed as units.

@@ -1,0 +1,1 @@
+//! Batched sampling with a KV cache.

@@ -1,0 +1,1 @@
+//! Loading candle-zoo / Hugging Face checkpoints and exporting them back.
