@@ -49,6 +49,7 @@ pub mod memory;
 pub mod opaque;
 pub mod ops;
 mod packing;
+pub mod simulate;
 mod tape;
 mod unit;
 mod var;
@@ -60,6 +61,7 @@ pub use hilore_macros::recovery_unit;
 pub use memory::{Ledger, MemClass, MemoryEvent};
 pub use ops::{RopeTables, Saved};
 pub use packing::Packing;
+pub use simulate::{InstanceBytes, Profile, Simulated};
 pub use tape::{BackwardReport, Cx, RecomputeCheck, TapeTimes, UnitInstanceInfo};
 pub use unit::{
     registered_units, ParamInfo, ParamKind, ReplayOwned, Replayable, UnitDescriptor, UnitOutput,

@@ -1,4 +1,5 @@
-//! Exact accounting of the saved state the tape holds.
+//! Exact accounting of the saved state the tape holds, and of the activation gradients
+//! alive during backward.
 //!
 //! Every tensor a slot holds is counted by the storage it keeps alive (a view of a larger
 //! buffer keeps the whole buffer), once however many slots share it. Encoded slots count
@@ -24,16 +25,19 @@ pub enum MemClass {
     Decoded,
     /// Slots rebuilt by a recompute during backward (transient).
     Recomputed,
+    /// Gradients of activations alive during backward (transient).
+    Gradients,
 }
 
 impl MemClass {
     /// Every class, in report order.
-    pub const ALL: [MemClass; 5] = [
+    pub const ALL: [MemClass; 6] = [
         MemClass::Stored,
         MemClass::Compressed,
         MemClass::Inputs,
         MemClass::Decoded,
         MemClass::Recomputed,
+        MemClass::Gradients,
     ];
 
     fn index(self) -> usize {
@@ -126,9 +130,10 @@ struct Entry {
 #[derive(Debug, Default)]
 pub struct Ledger {
     entries: HashMap<StorageKey, Entry>,
-    live: [usize; 5],
+    live: [usize; 6],
     peak: usize,
-    peak_by_class: [usize; 5],
+    peak_saved: usize,
+    peak_by_class: [usize; 6],
     events: Vec<MemoryEvent>,
 }
 
@@ -147,6 +152,8 @@ impl Ledger {
                 self.peak = total;
                 self.peak_by_class = self.live;
             }
+            let saved = total - self.live[MemClass::Gradients.index()];
+            self.peak_saved = self.peak_saved.max(saved);
         }
     }
 
@@ -181,9 +188,16 @@ impl Ledger {
         self.live[class.index()]
     }
 
-    /// The highest `live_bytes` seen.
+    /// The highest `live_bytes` seen: saved state plus transients (decoded and
+    /// recomputed slots, activation gradients in backward).
     pub fn peak_bytes(&self) -> usize {
         self.peak
+    }
+
+    /// The highest saved-state bytes seen, activation gradients excluded: what a hand
+    /// count of the ops' saved tensors gives.
+    pub fn peak_saved_bytes(&self) -> usize {
+        self.peak_saved
     }
 
     /// The split by class at the moment of the peak.

@@ -4,11 +4,15 @@
 use crate::fidelity::{Fidelity, Plan};
 use crate::memory::{storage_of, EventKind, Ledger, MemClass, StorageKey};
 use crate::ops::{Op, Saved};
+use crate::simulate::{
+    FwdEvent, NodeProf, ProfKind, ProfRec, Profile, SlotProf, StepProf, UnitProf,
+};
 use crate::unit::{Recompute, UnitDescriptor};
 use crate::{Error, Grads, Result, Var, VarId, VarKind};
-use candle_core::{DType, Shape, Tensor};
+use candle_core::{DType, Shape, Tensor, TensorId};
 use hilore_kernels::Encoded;
 use std::collections::HashMap;
+use std::rc::{Rc, Weak};
 use std::time::{Duration, Instant};
 
 /// What a slot holds.
@@ -18,7 +22,7 @@ enum Slot {
     /// A tensor in the compute dtype, counted in the ledger under `key`.
     Held { tensor: Tensor, key: StorageKey },
     /// A codec encoding, counted under `key`.
-    Encoded { enc: Encoded, key: StorageKey },
+    Encoded { enc: Rc<Encoded>, key: StorageKey },
 }
 
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -163,6 +167,10 @@ pub struct Cx<'m> {
     checks: Vec<RecomputeCheck>,
     poisoned: Option<String>,
     backward_done: bool,
+    /// Live encodings by source tensor and codec: two slots saving the same tensor in
+    /// Compress units share one encoding.
+    encodings: HashMap<(TensorId, &'static str), (Weak<Encoded>, StorageKey)>,
+    prof: Option<Box<ProfRec>>,
 }
 
 impl<'m> Cx<'m> {
@@ -182,6 +190,32 @@ impl<'m> Cx<'m> {
             checks: Vec::new(),
             poisoned: None,
             backward_done: false,
+            encodings: HashMap::new(),
+            prof: None,
+        }
+    }
+
+    /// Records a profile of this pass for [`Profile::simulate`] (see
+    /// [`crate::simulate`]). Every tensor the tape sees is kept alive until the tape is
+    /// dropped, so profile only to plan, not to train.
+    pub fn profiling(mut self, on: bool) -> Self {
+        self.prof = on.then(Box::default);
+        self
+    }
+
+    /// The profile of a finished, profiled pass (after backward).
+    pub fn profile(&mut self) -> Result<Profile> {
+        if !self.backward_done {
+            return Err(Error::Tape(
+                "the profile is complete only after backward".into(),
+            ));
+        }
+        match self.prof.take() {
+            Some(p) => Ok(p.into_profile()),
+            None => Err(Error::Tape(
+                "this tape was not profiling: create it with `Cx::new(plan).profiling(true)`"
+                    .into(),
+            )),
         }
     }
 
@@ -266,6 +300,28 @@ impl<'m> Cx<'m> {
                 } else {
                     (Vec::new(), Vec::new())
                 };
+                let unit = self.stack.last().copied();
+                if let Some(prof) = self.prof.as_mut() {
+                    let mut ps = Vec::new();
+                    for (m, slot) in meta.iter().zip(&slots) {
+                        if let Slot::Held { tensor, .. } = slot {
+                            let (buf, tid) = prof.ids(tensor);
+                            ps.push(SlotProf {
+                                kind: if m.kind == SlotKind::Act { ProfKind::Act } else { ProfKind::Exact },
+                                buf,
+                                tid,
+                                elems: tensor.elem_count(),
+                                decoded_bytes: tensor.elem_count() * tensor.dtype().size_in_bytes(),
+                            });
+                        }
+                    }
+                    prof.events.push(FwdEvent::Node(self.nodes.len()));
+                    prof.nodes.push(NodeProf {
+                        needs_grad,
+                        unit,
+                        slots: ps,
+                    });
+                }
                 self.nodes.push(Node {
                     name: op.name(),
                     op: Box::new(op),
@@ -274,7 +330,7 @@ impl<'m> Cx<'m> {
                     needs_grad,
                     meta,
                     slots,
-                    unit: self.stack.last().copied(),
+                    unit,
                 });
                 Ok(Var::activation(id, output, needs_grad))
             }
@@ -422,6 +478,24 @@ impl<'m> Cx<'m> {
                 let fidelity = self.plan.fidelity_for(desc, call);
                 desc.check(fidelity)?;
                 let idx = self.units.len();
+                if let Some(prof) = self.prof.as_mut() {
+                    let ins = inputs
+                        .iter()
+                        .filter(|v| v.kind != VarKind::Param)
+                        .map(|v| prof.ids(&v.tensor))
+                        .collect();
+                    let ev_open = prof.events.len();
+                    prof.units.push(UnitProf {
+                        desc,
+                        call,
+                        parent: self.stack.last().copied(),
+                        first: self.nodes.len(),
+                        end: self.nodes.len(),
+                        inputs: ins,
+                        ev_open,
+                        ev_close: ev_open,
+                    });
+                }
                 self.units.push(UnitInst {
                     desc,
                     call,
@@ -501,6 +575,13 @@ impl<'m> Cx<'m> {
             ));
         }
         self.units[inst].end_node = end;
+        if matches!(self.mode, Mode::Forward) {
+            if let Some(prof) = self.prof.as_mut() {
+                prof.units[inst].end = end;
+                prof.units[inst].ev_close = prof.events.len();
+                prof.events.push(FwdEvent::Close(inst));
+            }
+        }
         let fidelity = self.units[inst].fidelity;
         match fidelity {
             Fidelity::Store => self.units[inst].state = UnitState::Live,
@@ -580,15 +661,29 @@ impl<'m> Cx<'m> {
                 let Slot::Held { tensor, .. } = &self.nodes[n].slots[s] else {
                     continue;
                 };
-                let data: Vec<f32> = tensor.flatten_all()?.to_dtype(DType::F32)?.to_vec1()?;
-                let mut enc = Encoded::default();
-                codec
-                    .encode(&data, &mut enc)
-                    .map_err(|source| Error::Codec {
-                        unit: self.units[inst].desc.name.to_string(),
-                        source,
-                    })?;
-                let key = StorageKey::Encoded(next_encoding_id());
+                let share = (tensor.id(), codec.name());
+                let shared = self
+                    .encodings
+                    .get(&share)
+                    .and_then(|(w, key)| w.upgrade().map(|e| (e, *key)));
+                let (enc, key) = match shared {
+                    Some(found) => found,
+                    None => {
+                        let data: Vec<f32> =
+                            tensor.flatten_all()?.to_dtype(DType::F32)?.to_vec1()?;
+                        let mut enc = Encoded::default();
+                        codec
+                            .encode(&data, &mut enc)
+                            .map_err(|source| Error::Codec {
+                                unit: self.units[inst].desc.name.to_string(),
+                                source,
+                            })?;
+                        let enc = Rc::new(enc);
+                        let key = StorageKey::Encoded(next_encoding_id());
+                        self.encodings.insert(share, (Rc::downgrade(&enc), key));
+                        (enc, key)
+                    }
+                };
                 self.ledger.add(key, enc.nbytes(), MemClass::Compressed);
                 let old =
                     std::mem::replace(&mut self.nodes[n].slots[s], Slot::Encoded { enc, key });
@@ -755,11 +850,17 @@ impl<'m> Cx<'m> {
         self.ledger
             .event(EventKind::BackwardStart, "", 0, String::new());
         let mut report = BackwardReport::default();
-        let mut agrads: HashMap<VarId, Tensor> = HashMap::new();
+        // Gradients of activations, counted in the ledger while alive.
+        let mut agrads: HashMap<VarId, (Tensor, StorageKey)> = HashMap::new();
         if output.kind == VarKind::Param {
             grads.accumulate(output.id, seed.clone())?;
         } else {
-            agrads.insert(output.id, seed.clone());
+            let (key, bytes) = storage_of(seed);
+            self.ledger.add(key, bytes, MemClass::Gradients);
+            agrads.insert(output.id, (seed.clone(), key));
+        }
+        if let Some(prof) = self.prof.as_mut() {
+            prof.seed_bytes = self.ledger.live_bytes_of(MemClass::Gradients);
         }
         // Units finish, in backward, at their first node.
         let mut finishing: HashMap<usize, Vec<usize>> = HashMap::new();
@@ -768,7 +869,10 @@ impl<'m> Cx<'m> {
         }
         for idx in (0..self.nodes.len()).rev() {
             let g = agrads.remove(&self.nodes[idx].output);
-            if let (Some(g), true) = (g, self.nodes[idx].needs_grad) {
+            let active = g.is_some() && self.nodes[idx].needs_grad;
+            let agrad_at_start = self.ledger.live_bytes_of(MemClass::Gradients);
+            let mut agrad_peak_adds: Option<usize> = None;
+            if let (Some((g, _)), true) = (&g, active) {
                 self.materialize(idx, &mut report)?;
                 let node = &self.nodes[idx];
                 let mut saved = Vec::with_capacity(node.slots.len());
@@ -790,7 +894,7 @@ impl<'m> Cx<'m> {
                     .iter()
                     .map(|(_, k)| *k != VarKind::Constant)
                     .collect();
-                let gin = node.op.backward(&saved, &g, &needs)?;
+                let gin = node.op.backward(&saved, g, &needs)?;
                 drop(saved);
                 report.ops += 1;
                 let inputs = self.nodes[idx].inputs.clone();
@@ -800,14 +904,37 @@ impl<'m> Cx<'m> {
                         VarKind::Constant => {}
                         VarKind::Param => grads.accumulate(id, gi)?,
                         VarKind::Activation => {
-                            let gi = match agrads.remove(&id) {
-                                Some(prev) => (prev + gi)?,
-                                None => gi,
+                            let (key, bytes) = storage_of(&gi);
+                            self.ledger.add(key, bytes, MemClass::Gradients);
+                            let mut now = self.ledger.live_bytes_of(MemClass::Gradients);
+                            let entry = match agrads.remove(&id) {
+                                Some((prev, prev_key)) => {
+                                    let sum = (prev + &gi)?;
+                                    let (skey, sbytes) = storage_of(&sum);
+                                    self.ledger.add(skey, sbytes, MemClass::Gradients);
+                                    now = now.max(self.ledger.live_bytes_of(MemClass::Gradients));
+                                    self.ledger.release(prev_key);
+                                    self.ledger.release(key);
+                                    (sum, skey)
+                                }
+                                None => (gi, key),
                             };
-                            agrads.insert(id, gi);
+                            agrad_peak_adds = Some(agrad_peak_adds.map_or(now, |p| p.max(now)));
+                            agrads.insert(id, entry);
                         }
                     }
                 }
+            }
+            if let Some((_, key)) = g {
+                self.ledger.release(key);
+            }
+            if let Some(prof) = self.prof.as_mut() {
+                prof.steps.push(StepProf {
+                    idx,
+                    active,
+                    agrad_at_start,
+                    agrad_peak_adds,
+                });
             }
             self.release_node(idx);
             if let Some(done) = finishing.remove(&idx) {
@@ -824,6 +951,9 @@ impl<'m> Cx<'m> {
         for u in 0..self.units.len() {
             self.release_inputs(u);
             self.units[u].recompute = None;
+        }
+        for (_, (_, key)) in agrads.drain() {
+            self.ledger.release(key);
         }
         self.ledger
             .event(EventKind::BackwardEnd, "", 0, String::new());

@@ -17,7 +17,7 @@ fn peak(model: &Decoder, batch: &TokenBatch, plan: Plan) -> usize {
         0,
         "backward left saved state alive"
     );
-    cx.memory().peak_bytes()
+    cx.memory().peak_saved_bytes()
 }
 
 fn small(tied: bool, bias: bool) -> DecoderConfig {
@@ -35,6 +35,7 @@ fn small(tied: bool, bias: bool) -> DecoderConfig {
         max_position_embeddings: 32,
         attention_bias: bias,
         model_type: None,
+        ..DecoderConfig::tiny()
     }
 }
 
