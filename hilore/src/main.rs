@@ -3,6 +3,7 @@
 mod alloc;
 mod bench_tape;
 mod check;
+mod codecs;
 mod common;
 mod units;
 
@@ -38,6 +39,10 @@ enum Command {
     /// Time forward+backward and measure peak memory of the HiLoRe tape against candle's
     /// own autograd on the same model and batch.
     BenchTape(bench_tape::BenchTapeArgs),
+    /// Measure every codec on this device: round-trip error on Gaussian and heavy-tailed
+    /// data, compression ratio, encode and decode bandwidth against a copy of the same
+    /// bytes.
+    Codecs(codecs::CodecsArgs),
 }
 
 fn main() -> ExitCode {
@@ -46,6 +51,7 @@ fn main() -> ExitCode {
         Command::Units(a) => units::run(a),
         Command::Check(a) => check::run(a),
         Command::BenchTape(a) => bench_tape::run(a),
+        Command::Codecs(a) => codecs::run(a),
     };
     match result {
         Ok(code) => code,

@@ -1,0 +1,778 @@
+//! From a profile, measured costs and calibrated risk to a plan per microbatch.
+//!
+//! The [`Allocator`] holds the [`Profile`] of one store-all pass (its byte figures are
+//! exact for every microbatch with the same token count: every saved tensor of the
+//! decoder is linear in the rows, none depends on how they split into sequences), the
+//! [`CostModel`] and the [`RiskModel`]. For a microbatch it builds the knapsack:
+//!
+//! - one group per top-level unit instance (`embed`, every `layer`, `head`); a group with
+//!   children is either recomputed whole (classic checkpointing: only its inputs are kept)
+//!   or *opened* into its children, each of which gets Store, Compress(codec) or
+//!   Recompute (only where its descriptor offers it: a unit that is not `deterministic`
+//!   never gets Recompute);
+//! - time of a choice: measured recompute time of the instance, or encode + decode time
+//!   of its activation values; Store costs nothing;
+//! - risk: `kappa * exposure` for Compress, 0 for the exact fidelities;
+//! - bytes: what the choice changes in the bytes kept after the forward, measured exactly
+//!   by simulating the profile with that one choice changed from a reference plan
+//!   (every group recomputed), once per allocator.
+//!
+//! The DP works on that additive model; the transient of the unit being recovered in
+//! backward and any sharing between units are not additive, so every plan the solver
+//! returns is checked with [`Profile::simulate`], which gives the exact ledger peak, and
+//! the DP's capacity is searched (bisection on the capacity, largest one whose plan's
+//! exact peak fits). The predicted peak is therefore the simulated one: byte-exact.
+
+use super::budget::StateBytes;
+use super::costs::{CostModel, MicrobatchShape};
+use super::risk::RiskModel;
+use super::solver::{Choice, Group, Infeasible, Opened, Pick, Problem, Selection, Solver};
+use crate::simulate::{InstanceBytes, Profile};
+use crate::unit::UnitDescriptor;
+use crate::{Error, Fidelity, Plan, Result, UnitInstanceInfo};
+use serde::Serialize;
+use std::collections::HashMap;
+use std::time::Instant;
+
+/// What the allocator needs to know about one microbatch before its forward.
+#[derive(Debug, Clone, Copy, Serialize)]
+pub struct MicrobatchInput {
+    /// Its shape (costs depend on it).
+    pub shape: MicrobatchShape,
+    /// Its exposure: `sum |dL/dlogp|` over its rows.
+    pub exposure: f64,
+}
+
+/// Which fidelities a strategy may use.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Offer {
+    /// Codecs Compress may use (empty: no compression).
+    pub codecs: Vec<&'static str>,
+    /// Whether Recompute may be used (where the unit offers it).
+    pub recompute: bool,
+    /// Whether children of a group may get their own fidelity (false: only whole groups,
+    /// plus Store / Compress / Recompute of childless groups).
+    pub open_groups: bool,
+}
+
+/// The allocator's plan for one microbatch.
+#[derive(Debug, Clone, Serialize)]
+pub struct Decision {
+    /// The plan to run the microbatch with.
+    #[serde(skip)]
+    pub plan: Plan,
+    /// The ledger peak the plan will measure (exact, from the simulator).
+    pub predicted_peak_bytes: usize,
+    /// Plus the fixed state: the whole actor-update peak.
+    pub predicted_total_bytes: usize,
+    /// Predicted recompute + encode + decode seconds.
+    pub predicted_seconds: f64,
+    /// Predicted risk (sum over compressed instances).
+    pub predicted_risk: f64,
+    /// The Lagrange multiplier of the risk.
+    pub lambda: f64,
+    /// Seconds spent solving (DPs and exact checks).
+    pub solve_seconds: f64,
+    /// Exact simulations run while solving.
+    pub exact_checks: usize,
+    /// Fidelity counts: (fidelity, instances).
+    pub counts: Vec<(String, usize)>,
+}
+
+#[derive(Debug, Clone)]
+struct Layout {
+    top: usize,
+    children: Vec<usize>,
+}
+
+/// Plans microbatches; see the module docs.
+#[derive(Debug, Clone)]
+pub struct Allocator {
+    profile: Profile,
+    instances: Vec<InstanceBytes>,
+    descs: Vec<&'static UnitDescriptor>,
+    costs_at_profile: Vec<f64>,
+    layout: Vec<Layout>,
+    state: StateBytes,
+    /// Measured costs.
+    pub costs: CostModel,
+    /// Calibrated risk.
+    pub risk: RiskModel,
+    /// The knapsack solver's settings.
+    pub solver: Solver,
+    reference: HashMap<usize, Fidelity>,
+    reference_eof: i64,
+    /// Marginal bytes: (instance, fidelity) -> change of end-of-forward bytes from the
+    /// reference (for children: from their group opened with every child stored).
+    marginal: HashMap<(usize, Fidelity), i64>,
+    opened_base: HashMap<usize, i64>,
+}
+
+impl Allocator {
+    /// An allocator for microbatches of the profiled token count. `instances` are the
+    /// profiled tape's [`crate::Cx::unit_instances`] (their cost-expression values are the
+    /// prior); `state` the fixed bytes of the update; `codecs` every codec that may be
+    /// offered (byte figures are precomputed for them).
+    pub fn new(
+        profile: Profile,
+        instances: &[UnitInstanceInfo],
+        state: StateBytes,
+        codecs: &[&'static str],
+    ) -> Result<Self> {
+        let bytes = profile.instances();
+        if bytes.len() != instances.len() {
+            return Err(Error::Tape(format!(
+                "allocator: the profile has {} unit instances, the tape listed {}; pass the profiled tape's unit_instances()",
+                bytes.len(),
+                instances.len()
+            )));
+        }
+        let descs: Vec<_> = (0..bytes.len()).map(|i| profile.descriptor(i)).collect();
+        let mut layout: Vec<Layout> = Vec::new();
+        let mut top_of = vec![usize::MAX; bytes.len()];
+        for (i, b) in bytes.iter().enumerate() {
+            match b.parent {
+                None => {
+                    top_of[i] = layout.len();
+                    layout.push(Layout {
+                        top: i,
+                        children: Vec::new(),
+                    });
+                }
+                Some(p) => {
+                    // Only direct children of a top-level instance are planned separately;
+                    // deeper nesting inherits its child's fidelity.
+                    if bytes[p].parent.is_none() {
+                        layout[top_of[p]].children.push(i);
+                    }
+                }
+            }
+        }
+        for c in codecs {
+            hilore_kernels::codec_by_name(c)?;
+        }
+        let mut a = Allocator {
+            profile,
+            costs_at_profile: instances.iter().map(|u| u.cost).collect(),
+            instances: bytes,
+            descs,
+            layout,
+            state,
+            costs: CostModel::default(),
+            risk: RiskModel::default(),
+            solver: Solver::default(),
+            reference: HashMap::new(),
+            reference_eof: 0,
+            marginal: HashMap::new(),
+            opened_base: HashMap::new(),
+        };
+        a.probe(codecs)?;
+        Ok(a)
+    }
+
+    /// The fixed state bytes.
+    pub fn state(&self) -> StateBytes {
+        self.state
+    }
+
+    /// The profile.
+    pub fn profile(&self) -> &Profile {
+        &self.profile
+    }
+
+    /// Byte figures of every instance.
+    pub fn instances(&self) -> &[InstanceBytes] {
+        &self.instances
+    }
+
+    /// The descriptor of instance `i`.
+    pub fn descriptor(&self, i: usize) -> &'static UnitDescriptor {
+        self.descs[i]
+    }
+
+    /// Top-level instances and their direct children (instance indices).
+    pub fn groups(&self) -> Vec<(usize, Vec<usize>)> {
+        self.layout
+            .iter()
+            .map(|l| (l.top, l.children.clone()))
+            .collect()
+    }
+
+    fn act_values(&self, i: usize) -> usize {
+        self.instances[i].own_act_elems.iter().sum()
+    }
+
+    /// The fidelities instance `i` can take under `offer`.
+    pub fn candidates(&self, i: usize, offer: &Offer) -> Vec<Fidelity> {
+        let d = self.descs[i];
+        let mut v = vec![Fidelity::Store];
+        if self.act_values(i) > 0 {
+            for c in &offer.codecs {
+                let f = Fidelity::Compress(c);
+                if d.offers(f) {
+                    v.push(f);
+                }
+            }
+        }
+        if offer.recompute && d.offers(Fidelity::Recompute) {
+            v.push(Fidelity::Recompute);
+        }
+        v
+    }
+
+    /// A full plan from per-instance fidelities (every instance set explicitly).
+    pub fn plan_of(&self, name: &str, assign: &HashMap<usize, Fidelity>) -> Plan {
+        let mut plan = Plan::store_all().named(name);
+        for (i, b) in self.instances.iter().enumerate() {
+            let f = assign.get(&i).copied().unwrap_or(Fidelity::Store);
+            plan.set_instance(b.unit, b.call, f);
+        }
+        plan
+    }
+
+    /// The exact ledger peak of a plan.
+    pub fn simulate_peak(&self, plan: &Plan) -> Result<usize> {
+        Ok(self.profile.simulate(plan)?.peak_bytes)
+    }
+
+    fn eof(&self, assign: &HashMap<usize, Fidelity>) -> Result<i64> {
+        Ok(self
+            .profile
+            .simulate(&self.plan_of("probe", assign))?
+            .end_of_forward_bytes as i64)
+    }
+
+    /// Measures the marginal bytes of every choice by exact simulation.
+    fn probe(&mut self, codecs: &[&'static str]) -> Result<()> {
+        let all = Offer {
+            codecs: codecs.to_vec(),
+            recompute: true,
+            open_groups: true,
+        };
+        // Reference: every top-level group recomputed where it can be, stored otherwise.
+        let mut reference = HashMap::new();
+        for l in &self.layout {
+            let f = if self.descs[l.top].offers(Fidelity::Recompute) {
+                Fidelity::Recompute
+            } else {
+                Fidelity::Store
+            };
+            reference.insert(l.top, f);
+        }
+        let ref_eof = self.eof(&reference)?;
+        let layout = self.layout.clone();
+        for l in &layout {
+            if l.children.is_empty() {
+                for f in self.candidates(l.top, &all) {
+                    let mut a = reference.clone();
+                    a.insert(l.top, f);
+                    let m = self.eof(&a)? - ref_eof;
+                    self.marginal.insert((l.top, f), m);
+                }
+                continue;
+            }
+            if self.descs[l.top].offers(Fidelity::Recompute) {
+                let mut a = reference.clone();
+                a.insert(l.top, Fidelity::Recompute);
+                let m = self.eof(&a)? - ref_eof;
+                self.marginal.insert((l.top, Fidelity::Recompute), m);
+            }
+            let mut open = reference.clone();
+            open.insert(l.top, Fidelity::Store);
+            let open_eof = self.eof(&open)?;
+            self.opened_base.insert(l.top, open_eof - ref_eof);
+            for &c in &l.children {
+                for f in self.candidates(c, &all) {
+                    if f == Fidelity::Store {
+                        self.marginal.insert((c, f), 0);
+                        continue;
+                    }
+                    let mut a = open.clone();
+                    a.insert(c, f);
+                    let m = self.eof(&a)? - open_eof;
+                    self.marginal.insert((c, f), m);
+                }
+            }
+        }
+        self.reference = reference;
+        self.reference_eof = ref_eof;
+        Ok(())
+    }
+
+    fn seconds(&self, i: usize, f: Fidelity, shape: MicrobatchShape) -> Option<f64> {
+        match f {
+            Fidelity::Store => Some(0.0),
+            Fidelity::Compress(c) => self.costs.codec_seconds(c, self.act_values(i)),
+            Fidelity::Recompute => self.costs.recompute_seconds(
+                self.instances[i].unit,
+                shape,
+                Some(self.costs_at_profile[i]),
+            ),
+        }
+    }
+
+    fn choice(
+        &self,
+        i: usize,
+        f: Fidelity,
+        mb: &MicrobatchInput,
+        exposure_for_risk: f64,
+    ) -> Option<Choice> {
+        let b = &self.instances[i];
+        let seconds = self.seconds(i, f, mb.shape)?;
+        let risk = match f {
+            Fidelity::Compress(c) => self.risk.risk(b.unit, b.call, c, exposure_for_risk)?,
+            _ => 0.0,
+        };
+        let bytes = *self.marginal.get(&(i, f))?;
+        Some(Choice::one(b.unit, b.call, f, seconds, risk, bytes))
+    }
+
+    /// The knapsack for one microbatch. `exposure_for_risk` is the exposure the risk is
+    /// computed with (the microbatch's own for HiLoRe; an assumed one for exposure-blind
+    /// strategies).
+    pub fn problem(
+        &self,
+        mb: &MicrobatchInput,
+        exposure_for_risk: f64,
+        offer: &Offer,
+        capacity: i64,
+        risk_budget: f64,
+    ) -> Result<Problem> {
+        let mut groups = Vec::with_capacity(self.layout.len());
+        for l in &self.layout {
+            let b = &self.instances[l.top];
+            let name = format!("{}#{}", b.unit, b.call);
+            let mut whole = Vec::new();
+            let mut opened = None;
+            if l.children.is_empty() {
+                for f in self.candidates(l.top, offer) {
+                    if let Some(c) = self.choice(l.top, f, mb, exposure_for_risk) {
+                        whole.push(c);
+                    }
+                }
+            } else {
+                if offer.recompute && self.descs[l.top].offers(Fidelity::Recompute) {
+                    if let Some(mut c) = self.choice(l.top, Fidelity::Recompute, mb, 0.0) {
+                        // Children stored inside the recomputed group.
+                        for &ch in &l.children {
+                            let cb = &self.instances[ch];
+                            c.fidelities
+                                .push((cb.unit.to_string(), cb.call, Fidelity::Store));
+                        }
+                        whole.push(c);
+                    }
+                }
+                let base = Choice::one(
+                    b.unit,
+                    b.call,
+                    Fidelity::Store,
+                    0.0,
+                    0.0,
+                    self.opened_base[&l.top],
+                );
+                let child_offer = if offer.open_groups {
+                    offer.clone()
+                } else {
+                    Offer {
+                        codecs: Vec::new(),
+                        recompute: false,
+                        open_groups: false,
+                    }
+                };
+                let mut parts = Vec::with_capacity(l.children.len());
+                for &ch in &l.children {
+                    let cs: Vec<Choice> = self
+                        .candidates(ch, &child_offer)
+                        .into_iter()
+                        .filter_map(|f| self.choice(ch, f, mb, exposure_for_risk))
+                        .collect();
+                    parts.push(cs);
+                }
+                opened = Some(Opened { base, parts });
+            }
+            groups.push(Group {
+                name,
+                whole,
+                opened,
+            });
+        }
+        let problem = Problem {
+            groups,
+            capacity,
+            risk_budget,
+        };
+        for g in &problem.groups {
+            let ok = !g.whole.is_empty()
+                || g.opened
+                    .as_ref()
+                    .is_some_and(|o| o.parts.iter().all(|p| !p.is_empty()));
+            if !ok {
+                return Err(Error::Tape(format!(
+                    "allocator: group `{}` has no choice with a known time; measure its recompute time or set a cost prior",
+                    g.name
+                )));
+            }
+        }
+        Ok(problem)
+    }
+
+    fn plan_of_selection(&self, name: &str, problem: &Problem, picks: &[Pick]) -> Plan {
+        let mut plan = Plan::store_all().named(name);
+        for b in &self.instances {
+            plan.set_instance(b.unit, b.call, Fidelity::Store);
+        }
+        for (u, c, f) in problem.fidelities(picks) {
+            plan.set_instance(&u, c, f);
+        }
+        plan
+    }
+
+    /// The ledger bytes available to activations under a total budget.
+    pub fn activation_budget(&self, total_budget: usize) -> Option<usize> {
+        total_budget.checked_sub(self.state.total())
+    }
+
+    /// The smallest ledger peak among the least-memory plans the allocator can build
+    /// (every group recomputed, with and without its children recomputed too, and with
+    /// every compressible instance at each codec), and that plan.
+    pub fn least_memory(&self, offer: &Offer) -> Result<(usize, Plan)> {
+        let mut cands: Vec<HashMap<usize, Fidelity>> = vec![self.reference.clone()];
+        let mut deep = self.reference.clone();
+        for l in &self.layout {
+            if deep.get(&l.top) == Some(&Fidelity::Recompute) {
+                for &c in &l.children {
+                    if offer.recompute && self.descs[c].offers(Fidelity::Recompute) {
+                        deep.insert(c, Fidelity::Recompute);
+                    }
+                }
+            }
+        }
+        cands.push(deep.clone());
+        for codec in &offer.codecs {
+            for base in [&self.reference, &deep] {
+                let mut a = base.clone();
+                for (i, _) in self.instances.iter().enumerate() {
+                    let f = Fidelity::Compress(codec);
+                    if self.act_values(i) > 0
+                        && self.descs[i].offers(f)
+                        && a.get(&i) != Some(&Fidelity::Recompute)
+                    {
+                        a.insert(i, f);
+                    }
+                }
+                cands.push(a);
+            }
+        }
+        let mut best: Option<(usize, Plan)> = None;
+        for a in cands {
+            let plan = self.plan_of("least-memory", &a);
+            let p = self.simulate_peak(&plan)?;
+            if best.as_ref().is_none_or(|(b, _)| p < *b) {
+                best = Some((p, plan));
+            }
+        }
+        best.ok_or_else(|| Error::Tape("allocator: no unit instances".into()))
+    }
+
+    fn infeasible_memory(&self, total_budget: usize, offer: &Offer) -> Error {
+        match self.least_memory(offer) {
+            Ok((p, _)) => Error::Tape(format!(
+                "memory budget of {total_budget} bytes is infeasible: the fixed state alone is {} bytes (parameters {}, gradients {}, optimizer {}) and the least activation peak any plan reaches is {p} bytes; the smallest feasible budget is {} bytes",
+                self.state.total(),
+                self.state.params,
+                self.state.grads,
+                self.state.optimizer,
+                self.state.total() + p
+            )),
+            Err(e) => e,
+        }
+    }
+
+    /// Plans one microbatch for the fastest predicted step under `total_budget` (the whole
+    /// actor-update peak) and `risk_budget`, with the risk computed from the microbatch's
+    /// own exposure.
+    pub fn plan(
+        &self,
+        mb: &MicrobatchInput,
+        total_budget: usize,
+        risk_budget: f64,
+        offer: &Offer,
+    ) -> Result<Decision> {
+        Ok(self
+            .plan_step(
+                std::slice::from_ref(mb),
+                total_budget,
+                risk_budget,
+                offer,
+                None,
+            )?
+            .remove(0))
+    }
+
+    /// Plans every microbatch of a step under one shared risk budget (one Lagrange
+    /// multiplier for the whole step, so risk goes where it buys the most time: to the
+    /// microbatches with little exposure). `assumed_exposure`, when given, replaces every
+    /// microbatch's exposure in the risk (an exposure-blind planner).
+    pub fn plan_step(
+        &self,
+        mbs: &[MicrobatchInput],
+        total_budget: usize,
+        risk_budget: f64,
+        offer: &Offer,
+        assumed_exposure: Option<f64>,
+    ) -> Result<Vec<Decision>> {
+        let t0 = Instant::now();
+        let avail = self
+            .activation_budget(total_budget)
+            .ok_or_else(|| self.infeasible_memory(total_budget, offer))? as i64;
+        let mut checks = 0usize;
+        // 1. Per microbatch, the DP capacity whose memory-first plan fits exactly.
+        let hi0 = avail - self.reference_eof;
+        let mut problems = Vec::with_capacity(mbs.len());
+        for mb in mbs {
+            let e = assumed_exposure.unwrap_or(mb.exposure);
+            let mut p = self.problem(mb, e, offer, hi0, f64::INFINITY)?;
+            let min = p.min_bytes();
+            if min > hi0 {
+                return Err(self.infeasible_memory(total_budget, offer));
+            }
+            let fits = |p: &Problem, checks: &mut usize| -> Result<Option<Selection>> {
+                match self.solver.solve(p) {
+                    Ok(s) => {
+                        *checks += 1;
+                        let plan = self.plan_of_selection("check", p, &s.picks);
+                        Ok((self.simulate_peak(&plan)? as i64 <= avail).then_some(s))
+                    }
+                    Err(Infeasible::Memory { .. }) => Ok(None),
+                    Err(e) => Err(Error::Tape(e.to_string())),
+                }
+            };
+            let cap = if fits(&p, &mut checks)?.is_some() {
+                hi0
+            } else {
+                let (mut lo, mut hi) = (min, hi0);
+                p.capacity = lo;
+                if fits(&p, &mut checks)?.is_none() {
+                    return Err(self.infeasible_memory(total_budget, offer));
+                }
+                while hi - lo > ((hi0 - min) / 2048).max(1) {
+                    let mid = lo + (hi - lo) / 2;
+                    p.capacity = mid;
+                    if fits(&p, &mut checks)?.is_some() {
+                        lo = mid;
+                    } else {
+                        hi = mid;
+                    }
+                }
+                lo
+            };
+            p.capacity = cap;
+            problems.push(p);
+        }
+        // 2. One lambda for the step.
+        let solve_all = |lambda: Option<f64>| -> Result<Vec<Selection>> {
+            problems
+                .iter()
+                .map(|p| {
+                    let r = match lambda {
+                        None => {
+                            let mut q = p.clone();
+                            q.risk_budget = f64::INFINITY;
+                            self.solver.solve(&q)
+                        }
+                        Some(l) => self.solver.solve_at(p, l),
+                    };
+                    r.map_err(|e| Error::Tape(e.to_string()))
+                })
+                .collect()
+        };
+        let total_risk = |s: &[Selection]| s.iter().map(|x| x.risk).sum::<f64>();
+        let mut sel = solve_all(None)?;
+        if total_risk(&sel) > risk_budget {
+            let secs: f64 = sel.iter().map(|s| s.seconds).sum();
+            let mut hi = secs.max(1e-12) / total_risk(&sel).max(1e-300);
+            let mut found = None;
+            for _ in 0..80 {
+                let s = solve_all(Some(hi))?;
+                if total_risk(&s) <= risk_budget {
+                    found = Some(s);
+                    break;
+                }
+                hi *= 4.0;
+            }
+            let Some(mut best) = found else {
+                let s = solve_all(Some(hi))?;
+                return Err(Error::Tape(format!(
+                    "risk budget {risk_budget:.4e} is infeasible under this memory budget: the least risk any plan that fits reaches is {:.4e}",
+                    total_risk(&s)
+                )));
+            };
+            let mut lo = 0.0f64;
+            for _ in 0..self.solver.lambda_steps {
+                let mid = if lo == 0.0 {
+                    hi / 16.0
+                } else {
+                    (lo * hi).sqrt()
+                };
+                let s = solve_all(Some(mid))?;
+                if total_risk(&s) <= risk_budget {
+                    hi = mid;
+                    best = s;
+                } else {
+                    lo = mid;
+                }
+                if lo > 0.0 && hi / lo < 1.0 + 1e-4 {
+                    break;
+                }
+            }
+            sel = best;
+        }
+        // 3. Exact check of every plan (the capacity was searched without the risk
+        // term; a different selection may have another transient).
+        let mut out = Vec::with_capacity(mbs.len());
+        for (p, mut s) in problems.iter().zip(sel) {
+            let mut plan = self.plan_of_selection("hilore", p, &s.picks);
+            let mut peak = self.simulate_peak(&plan)?;
+            checks += 1;
+            let mut q = p.clone();
+            let mut tries = 0;
+            while peak as i64 > avail {
+                tries += 1;
+                q.capacity -= (peak as i64 - avail).max(1);
+                if tries > 32 || q.capacity < q.min_bytes() {
+                    return Err(self.infeasible_memory(total_budget, offer));
+                }
+                s = self
+                    .solver
+                    .solve_at(&q, s.lambda)
+                    .map_err(|e| Error::Tape(e.to_string()))?;
+                plan = self.plan_of_selection("hilore", &q, &s.picks);
+                peak = self.simulate_peak(&plan)?;
+                checks += 1;
+            }
+            let mut counts: HashMap<String, usize> = HashMap::new();
+            for (_, _, f) in q.fidelities(&s.picks) {
+                *counts.entry(f.to_string()).or_default() += 1;
+            }
+            let mut counts: Vec<_> = counts.into_iter().collect();
+            counts.sort();
+            out.push(Decision {
+                plan,
+                predicted_peak_bytes: peak,
+                predicted_total_bytes: peak + self.state.total(),
+                predicted_seconds: s.seconds,
+                predicted_risk: s.risk,
+                lambda: s.lambda,
+                solve_seconds: 0.0,
+                exact_checks: checks,
+                counts,
+            });
+        }
+        let per = t0.elapsed().as_secs_f64() / mbs.len().max(1) as f64;
+        for d in &mut out {
+            d.solve_seconds = per;
+        }
+        Ok(out)
+    }
+
+    /// Greedy by cost per byte (the Adacc-style baseline): starting from every instance
+    /// stored, repeatedly take the change that adds the least predicted time per byte
+    /// saved, among changes whose risk (with `assumed_exposure`) keeps the total under
+    /// `risk_budget`, until the exact peak fits.
+    pub fn plan_greedy(
+        &self,
+        mb: &MicrobatchInput,
+        total_budget: usize,
+        risk_budget: f64,
+        offer: &Offer,
+        assumed_exposure: f64,
+    ) -> Result<Decision> {
+        let t0 = Instant::now();
+        let avail = self
+            .activation_budget(total_budget)
+            .ok_or_else(|| self.infeasible_memory(total_budget, offer))?;
+        let p = self.problem(mb, assumed_exposure, offer, i64::MAX, risk_budget)?;
+        // Current pick per group: opened with every part at Store (index of Store).
+        let store_idx = |part: &Vec<Choice>| {
+            part.iter()
+                .position(|c| c.fidelities[0].2 == Fidelity::Store)
+                .unwrap_or(0)
+        };
+        let mut picks: Vec<Pick> = p
+            .groups
+            .iter()
+            .map(|g| match &g.opened {
+                Some(o) => Pick::Opened(o.parts.iter().map(store_idx).collect()),
+                None => Pick::Whole(store_idx(&g.whole)),
+            })
+            .collect();
+        let mut checks = 0;
+        loop {
+            let plan = self.plan_of_selection("adacc-style", &p, &picks);
+            let peak = self.simulate_peak(&plan)?;
+            checks += 1;
+            let (secs, risk, _) = p.totals(&picks);
+            if peak <= avail {
+                let mut counts: HashMap<String, usize> = HashMap::new();
+                for (_, _, f) in p.fidelities(&picks) {
+                    *counts.entry(f.to_string()).or_default() += 1;
+                }
+                let mut counts: Vec<_> = counts.into_iter().collect();
+                counts.sort();
+                return Ok(Decision {
+                    plan,
+                    predicted_peak_bytes: peak,
+                    predicted_total_bytes: peak + self.state.total(),
+                    predicted_seconds: secs,
+                    predicted_risk: risk,
+                    lambda: 0.0,
+                    solve_seconds: t0.elapsed().as_secs_f64(),
+                    exact_checks: checks,
+                    counts,
+                });
+            }
+            // Candidate moves: (seconds per byte saved, group, new pick).
+            let mut best: Option<(f64, usize, Pick)> = None;
+            let mut consider = |rate: f64, g: usize, pick: Pick| {
+                if best.as_ref().is_none_or(|(r, _, _)| rate < *r) {
+                    best = Some((rate, g, pick));
+                }
+            };
+            for (g, group) in p.groups.iter().enumerate() {
+                let one = Problem {
+                    groups: vec![group.clone()],
+                    capacity: 0,
+                    risk_budget: 0.0,
+                };
+                let cur = one.totals(std::slice::from_ref(&picks[g]));
+                let mut try_pick = |pick: Pick| {
+                    let (s, r, b) = one.totals(std::slice::from_ref(&pick));
+                    let saved = cur.2 - b;
+                    if saved <= 0 || risk - cur.1 + r > risk_budget {
+                        return;
+                    }
+                    consider((s - cur.0).max(0.0) / saved as f64, g, pick);
+                };
+                for k in 0..group.whole.len() {
+                    try_pick(Pick::Whole(k));
+                }
+                if let (Some(o), Pick::Opened(ks)) = (&group.opened, &picks[g]) {
+                    for (pi, part) in o.parts.iter().enumerate() {
+                        for k in 0..part.len() {
+                            if k != ks[pi] {
+                                let mut n = ks.clone();
+                                n[pi] = k;
+                                try_pick(Pick::Opened(n));
+                            }
+                        }
+                    }
+                }
+            }
+            match best {
+                Some((_, g, pick)) => picks[g] = pick,
+                None => return Err(self.infeasible_memory(total_budget, offer)),
+            }
+        }
+    }
+}

@@ -1,0 +1,163 @@
+//! Update-conditioned risk: how much gradient error a lossy fidelity may add, given how
+//! much the microbatch can move the policy update.
+//!
+//! A compressed unit perturbs its saved activations; backward turns the perturbation into
+//! a parameter-gradient error whose size is proportional to the upstream gradient, which
+//! starts from the per-token coefficients `c = dL/dlogp`. So the error of compressing
+//! unit instance `u` with codec `k` on microbatch `m` is modelled as
+//!
+//! `r(u, k, m) = kappa(u, k) * exposure(u, m)`, `exposure(u, m) = sum over u's rows of |c|`
+//!
+//! (a row weighted by its sequence's exposure per row; every unit of the decoder sees
+//! every row of the microbatch, so `exposure(u, m)` is the microbatch's exposure). `kappa`
+//! is calibrated by measurement: the L2 norm of the parameter-gradient error when only
+//! that unit is compressed, divided by the calibration microbatch's exposure (and by the
+//! unit's number of calls when they were compressed together). Risks add: by the
+//! triangle inequality the sum bounds the norm of the combined error when the model holds
+//! per unit; `hilore bench` reports predicted against measured totals on held-out
+//! microbatches (errors from different units are largely independent, so the measured
+//! total is usually well below the sum).
+//!
+//! The risk budget of an optimizer step is `target_rel_l2 * gamma * exposure(step)`, with
+//! `gamma` the calibrated ratio `||exact step gradient|| / exposure(step)`: a relative
+//! error target on the step's update (default 1e-2) turned into an absolute budget on
+//! summed risk. Microbatches with little exposure (most sequences with advantage 0) then
+//! carry little risk and can take cheap lossy fidelities; that is what exposure buys.
+
+use serde::Serialize;
+use std::collections::BTreeMap;
+
+/// The default target: relative L2 error of the step's gradient.
+pub const DEFAULT_TARGET_REL_L2: f64 = 1e-2;
+
+/// Calibrated sensitivities and the gradient-norm scale.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct RiskModel {
+    /// Gradient-error norm per unit of exposure, per (unit, call, codec).
+    pub kappa: BTreeMap<(String, usize, String), f64>,
+    /// `||exact gradient|| / exposure` of the calibration data.
+    pub grad_norm_per_exposure: Option<f64>,
+}
+
+impl RiskModel {
+    /// Sets `kappa` of one instance and codec.
+    pub fn set_kappa(&mut self, unit: &str, call: usize, codec: &str, kappa: f64) {
+        self.kappa
+            .insert((unit.to_string(), call, codec.to_string()), kappa);
+    }
+
+    /// `kappa` of one instance and codec, if calibrated.
+    pub fn kappa(&self, unit: &str, call: usize, codec: &str) -> Option<f64> {
+        self.kappa
+            .get(&(unit.to_string(), call, codec.to_string()))
+            .copied()
+    }
+
+    /// The predicted risk of compressing one instance with `codec` on a microbatch of the
+    /// given exposure; `None` when uncalibrated (the allocator then does not offer it).
+    pub fn risk(&self, unit: &str, call: usize, codec: &str, exposure: f64) -> Option<f64> {
+        self.kappa(unit, call, codec).map(|k| k * exposure)
+    }
+
+    /// The mean `kappa` of a codec over every calibrated instance (an exposure-blind,
+    /// unit-blind sensitivity, as a generic allocator would assume).
+    pub fn mean_kappa(&self, codec: &str) -> Option<f64> {
+        let v: Vec<f64> = self
+            .kappa
+            .iter()
+            .filter(|((_, _, c), _)| c == codec)
+            .map(|(_, &k)| k)
+            .collect();
+        (!v.is_empty()).then(|| v.iter().sum::<f64>() / v.len() as f64)
+    }
+
+    /// The absolute risk budget of a step of the given exposure for a relative L2 target.
+    pub fn step_budget(&self, target_rel_l2: f64, step_exposure: f64) -> Option<f64> {
+        self.grad_norm_per_exposure
+            .map(|g| target_rel_l2 * g * step_exposure)
+    }
+}
+
+/// Exposure of every sequence: `sum |c|` over its rows (`offsets` as in
+/// [`crate::Packing::offsets`]).
+pub fn sequence_exposure(coefficients: &[f32], offsets: &[usize]) -> Vec<f64> {
+    offsets
+        .windows(2)
+        .map(|w| {
+            coefficients[w[0]..w[1]]
+                .iter()
+                .map(|c| c.abs() as f64)
+                .sum()
+        })
+        .collect()
+}
+
+/// Exposure of a unit instance that reads the given rows: every row weighted by its
+/// sequence's exposure per row (`sequence exposure / sequence length`). For a unit that
+/// reads every row this is the sum of the sequences' exposures.
+pub fn instance_exposure(
+    sequence_exposure: &[f64],
+    offsets: &[usize],
+    rows: impl IntoIterator<Item = usize>,
+) -> f64 {
+    rows.into_iter()
+        .map(|r| {
+            let s = offsets.partition_point(|&o| o <= r) - 1;
+            let len = (offsets[s + 1] - offsets[s]).max(1) as f64;
+            sequence_exposure[s] / len
+        })
+        .sum()
+}
+
+/// Relative L2 error and cosine of `got` against `want` (flattened gradients).
+pub fn grad_error(got: &[f32], want: &[f32]) -> (f64, f64, f64) {
+    let (mut d2, mut w2, mut g2, mut dot) = (0f64, 0f64, 0f64, 0f64);
+    for (&a, &b) in got.iter().zip(want) {
+        let (a, b) = (a as f64, b as f64);
+        d2 += (a - b) * (a - b);
+        w2 += b * b;
+        g2 += a * a;
+        dot += a * b;
+    }
+    let rel = if w2 > 0.0 {
+        (d2 / w2).sqrt()
+    } else {
+        d2.sqrt()
+    };
+    let cos = if g2 > 0.0 && w2 > 0.0 {
+        dot / (g2.sqrt() * w2.sqrt())
+    } else {
+        1.0
+    };
+    (d2.sqrt(), rel, cos)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn exposure_of_rows() {
+        let c = [1.0f32, -1.0, 0.0, 0.0, 0.5, 0.5, 0.5];
+        let off = [0, 2, 4, 7];
+        let e = sequence_exposure(&c, &off);
+        assert_eq!(e, vec![2.0, 0.0, 1.5]);
+        let all = instance_exposure(&e, &off, 0..7);
+        assert!((all - 3.5).abs() < 1e-12);
+        // Rows of the zero-exposure sequence carry nothing.
+        assert_eq!(instance_exposure(&e, &off, 2..4), 0.0);
+        assert!((instance_exposure(&e, &off, [0, 4]) - (1.0 + 0.5)).abs() < 1e-12);
+    }
+
+    #[test]
+    fn budget_scales_with_exposure() {
+        let mut r = RiskModel {
+            grad_norm_per_exposure: Some(0.5),
+            ..Default::default()
+        };
+        r.set_kappa("u", 0, "fp8", 2e-3);
+        assert_eq!(r.risk("u", 0, "fp8", 10.0), Some(2e-2));
+        assert_eq!(r.risk("u", 1, "fp8", 10.0), None);
+        assert_eq!(r.step_budget(1e-2, 100.0), Some(0.5));
+    }
+}

@@ -1,0 +1,568 @@
+//! The multiple-choice knapsack behind the allocator: pick one recovery choice per group
+//! so that the time is smallest, the additive memory model stays under a capacity and the
+//! summed risk under a risk budget.
+//!
+//! Method: a Lagrangian on the risk (minimise `seconds + lambda * risk`, bisecting
+//! `lambda` until the risk fits) and, for each `lambda`, an exact dynamic program over
+//! memory discretised into at most [`Solver::buckets`] buckets. Each choice's bytes are
+//! rounded *up* to whole buckets, so a selection the DP accepts always fits the exact
+//! capacity; the price is that the DP may miss selections that fit only without
+//! rounding: it is optimal among selections whose rounded bytes fit ("optimal within the
+//! discretisation"). Groups with children (a decoder `layer` and its seven units) are
+//! either taken whole (e.g. Recompute the layer) or *opened*: a base plus one choice per
+//! child, combined by an inner DP, so nesting is solved exactly rather than flattened.
+//!
+//! The Lagrangian solution for a given `lambda` is optimal for the risk budget it reaches
+//! (a standard property of Lagrangian relaxation); between two `lambda`s the risk of the
+//! optimum can jump past the budget (the duality gap), in which case the feasible side is
+//! returned.
+
+use crate::{Error, Fidelity, Result};
+
+/// One way of recovering a unit instance, or a whole group of them.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Choice {
+    /// Fidelities this choice sets: (unit name, call index, fidelity).
+    pub fidelities: Vec<(String, usize, Fidelity)>,
+    /// Predicted seconds it adds to the step (recompute, encode + decode).
+    pub seconds: f64,
+    /// Predicted risk (gradient error norm it may add).
+    pub risk: f64,
+    /// Bytes it keeps between forward and backward in the additive memory model
+    /// (relative to any fixed reference; may be negative).
+    pub bytes: i64,
+}
+
+impl Choice {
+    /// A choice setting one instance.
+    pub fn one(
+        unit: impl Into<String>,
+        call: usize,
+        fidelity: Fidelity,
+        seconds: f64,
+        risk: f64,
+        bytes: i64,
+    ) -> Self {
+        Choice {
+            fidelities: vec![(unit.into(), call, fidelity)],
+            seconds,
+            risk,
+            bytes,
+        }
+    }
+}
+
+/// A group opened into its parts: `base` (e.g. the enclosing unit stored, which keeps
+/// nothing itself) plus one choice from every part.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Opened {
+    /// Always taken when the group is opened.
+    pub base: Choice,
+    /// One choice list per child instance.
+    pub parts: Vec<Vec<Choice>>,
+}
+
+/// A top-level unit instance and what can be chosen for it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Group {
+    /// For reports (e.g. `layer#3`).
+    pub name: String,
+    /// Choices that decide the whole group at once.
+    pub whole: Vec<Choice>,
+    /// The group opened into its children, if it has any.
+    pub opened: Option<Opened>,
+}
+
+/// The knapsack: groups, the memory capacity of the additive model, the risk budget.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Problem {
+    /// In forward order.
+    pub groups: Vec<Group>,
+    /// Largest allowed sum of the chosen choices' bytes.
+    pub capacity: i64,
+    /// Largest allowed sum of the chosen choices' risks.
+    pub risk_budget: f64,
+}
+
+/// What was picked for one group.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Pick {
+    /// `whole[i]`.
+    Whole(usize),
+    /// Opened, with `parts[p][picks[p]]` for every part.
+    Opened(Vec<usize>),
+}
+
+/// A solution of a [`Problem`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct Selection {
+    /// One pick per group.
+    pub picks: Vec<Pick>,
+    /// Total predicted seconds.
+    pub seconds: f64,
+    /// Total predicted risk.
+    pub risk: f64,
+    /// Total bytes in the additive model.
+    pub bytes: i64,
+    /// The Lagrange multiplier of the risk that produced it (0 when the risk budget did
+    /// not bind).
+    pub lambda: f64,
+}
+
+impl Problem {
+    /// The choices a selection takes, in group order.
+    pub fn chosen<'a>(&'a self, picks: &'a [Pick]) -> impl Iterator<Item = &'a Choice> + 'a {
+        self.groups.iter().zip(picks).flat_map(
+            |(g, p)| -> Box<dyn Iterator<Item = &'a Choice> + 'a> {
+                match p {
+                    Pick::Whole(i) => Box::new(std::iter::once(&g.whole[*i])),
+                    Pick::Opened(ks) => {
+                        let o = g
+                            .opened
+                            .as_ref()
+                            .expect("opened pick of a group without parts");
+                        Box::new(
+                            std::iter::once(&o.base)
+                                .chain(o.parts.iter().zip(ks).map(|(part, &k)| &part[k])),
+                        )
+                    }
+                }
+            },
+        )
+    }
+
+    /// Seconds, risk and bytes of a selection's picks.
+    pub fn totals(&self, picks: &[Pick]) -> (f64, f64, i64) {
+        self.chosen(picks).fold((0.0, 0.0, 0), |(s, r, b), c| {
+            (s + c.seconds, r + c.risk, b + c.bytes)
+        })
+    }
+
+    /// Every fidelity a selection sets.
+    pub fn fidelities(&self, picks: &[Pick]) -> Vec<(String, usize, Fidelity)> {
+        self.chosen(picks)
+            .flat_map(|c| c.fidelities.iter().cloned())
+            .collect()
+    }
+
+    fn check(&self) -> Result<()> {
+        for g in &self.groups {
+            let has_whole = !g.whole.is_empty();
+            let opened_ok = g
+                .opened
+                .as_ref()
+                .is_some_and(|o| o.parts.iter().all(|p| !p.is_empty()));
+            if !has_whole && !opened_ok {
+                return Err(Error::Tape(format!(
+                    "allocator: group `{}` has no choice at all",
+                    g.name
+                )));
+            }
+            let all = g.whole.iter().chain(
+                g.opened
+                    .iter()
+                    .flat_map(|o| std::iter::once(&o.base).chain(o.parts.iter().flatten())),
+            );
+            for c in all {
+                if !(c.seconds.is_finite() && c.risk.is_finite() && c.risk >= 0.0) {
+                    return Err(Error::Tape(format!(
+                        "allocator: group `{}` has a choice with seconds {} and risk {}; both must be finite and the risk non-negative",
+                        g.name, c.seconds, c.risk
+                    )));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The least bytes any selection needs in the additive model.
+    pub fn min_bytes(&self) -> i64 {
+        self.groups.iter().map(group_min_bytes).sum()
+    }
+}
+
+fn group_min_bytes(g: &Group) -> i64 {
+    let whole = g.whole.iter().map(|c| c.bytes).min();
+    let opened = g.opened.as_ref().map(|o| {
+        o.base.bytes
+            + o.parts
+                .iter()
+                .map(|p| p.iter().map(|c| c.bytes).min().unwrap_or(0))
+                .sum::<i64>()
+    });
+    match (whole, opened) {
+        (Some(a), Some(b)) => a.min(b),
+        (Some(a), None) => a,
+        (None, Some(b)) => b,
+        (None, None) => 0,
+    }
+}
+
+/// The solver's settings.
+#[derive(Debug, Clone, Copy)]
+pub struct Solver {
+    /// Memory buckets of the DP (the capacity above the least possible bytes is cut into
+    /// this many). More is closer to exact and slower (linear in groups, quadratic for
+    /// opened groups).
+    pub buckets: usize,
+    /// Bisection steps on `lambda` when the risk budget binds.
+    pub lambda_steps: usize,
+}
+
+impl Default for Solver {
+    fn default() -> Self {
+        Solver {
+            buckets: 512,
+            lambda_steps: 40,
+        }
+    }
+}
+
+/// Why a problem has no solution.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Infeasible {
+    /// Even the least-memory selection exceeds the capacity.
+    Memory {
+        /// The least bytes any selection needs.
+        min_bytes: i64,
+        /// The capacity asked for.
+        capacity: i64,
+    },
+    /// Every selection that fits the memory exceeds the risk budget.
+    Risk {
+        /// The least risk among selections that fit.
+        min_risk: f64,
+        /// The budget asked for.
+        budget: f64,
+    },
+    /// The problem itself is malformed (a group without choices, a non-finite figure).
+    Invalid(String),
+}
+
+impl std::fmt::Display for Infeasible {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Infeasible::Memory {
+                min_bytes,
+                capacity,
+            } => write!(
+                f,
+                "no selection fits {capacity} bytes; the least any selection needs is {min_bytes} bytes"
+            ),
+            Infeasible::Risk { min_risk, budget } => write!(
+                f,
+                "every selection that fits the memory has risk above {budget:.4e}; the least is {min_risk:.4e}"
+            ),
+            Infeasible::Invalid(m) => f.write_str(m),
+        }
+    }
+}
+
+/// The DP tables of one `lambda`, enough to backtrack any capacity.
+struct Table {
+    bucket: i64,
+    units_cap: usize,
+    /// `f[g][c]`: least cost of groups `0..=g` in at most `c` buckets.
+    f: Vec<Vec<f64>>,
+    /// How group `g` was decided at capacity `c`: `(option, buckets it used)`.
+    arg: Vec<Vec<(u32, u32)>>,
+    /// Opened groups: per part, per capacity, the chosen part choice.
+    sub: Vec<Option<Vec<Vec<u32>>>>,
+}
+
+const NONE: u32 = u32::MAX;
+
+impl Solver {
+    /// Solves `problem`. Errors with [`Infeasible`] (as the message) when nothing fits.
+    pub fn solve(&self, problem: &Problem) -> std::result::Result<Selection, Infeasible> {
+        problem
+            .check()
+            .map_err(|e| Infeasible::Invalid(e.to_string()))?;
+        let min_bytes = problem.min_bytes();
+        if min_bytes > problem.capacity {
+            return Err(Infeasible::Memory {
+                min_bytes,
+                capacity: problem.capacity,
+            });
+        }
+        let at = |lambda: f64| -> Selection {
+            let t = self.table(problem, lambda);
+            let picks = backtrack(problem, &t, t.units_cap);
+            let (seconds, risk, bytes) = problem.totals(&picks);
+            Selection {
+                picks,
+                seconds,
+                risk,
+                bytes,
+                lambda,
+            }
+        };
+        let s0 = at(0.0);
+        if s0.risk <= problem.risk_budget {
+            return Ok(s0);
+        }
+        // Find a lambda whose optimum fits the risk budget.
+        let scale = s0.seconds.max(1e-12) / s0.risk.max(1e-300);
+        let mut hi = scale;
+        let mut best = None;
+        for _ in 0..80 {
+            let s = at(hi);
+            if s.risk <= problem.risk_budget {
+                best = Some(s);
+                break;
+            }
+            hi *= 4.0;
+        }
+        let Some(mut best) = best else {
+            let s = at(hi);
+            return Err(Infeasible::Risk {
+                min_risk: s.risk,
+                budget: problem.risk_budget,
+            });
+        };
+        let mut lo = 0.0;
+        for _ in 0..self.lambda_steps {
+            let mid = if lo == 0.0 {
+                hi / 16.0
+            } else {
+                (lo * hi).sqrt()
+            };
+            let s = at(mid);
+            if s.risk <= problem.risk_budget {
+                hi = mid;
+                if s.seconds <= best.seconds {
+                    best = s;
+                }
+            } else {
+                lo = mid;
+            }
+            if lo > 0.0 && hi / lo < 1.0 + 1e-6 {
+                break;
+            }
+        }
+        Ok(best)
+    }
+
+    /// The optimum of `seconds + lambda * risk` within the capacity, ignoring the risk
+    /// budget (one point of the Lagrangian).
+    pub fn solve_at(
+        &self,
+        problem: &Problem,
+        lambda: f64,
+    ) -> std::result::Result<Selection, Infeasible> {
+        problem
+            .check()
+            .map_err(|e| Infeasible::Invalid(e.to_string()))?;
+        let min_bytes = problem.min_bytes();
+        if min_bytes > problem.capacity {
+            return Err(Infeasible::Memory {
+                min_bytes,
+                capacity: problem.capacity,
+            });
+        }
+        let t = self.table(problem, lambda);
+        let picks = backtrack(problem, &t, t.units_cap);
+        let (seconds, risk, bytes) = problem.totals(&picks);
+        Ok(Selection {
+            picks,
+            seconds,
+            risk,
+            bytes,
+            lambda,
+        })
+    }
+
+    fn table(&self, problem: &Problem, lambda: f64) -> Table {
+        let offsets: Vec<i64> = problem.groups.iter().map(group_min_bytes).collect();
+        let room = problem.capacity - offsets.iter().sum::<i64>();
+        let q = self.buckets.max(1) as i64;
+        let bucket = ((room + q - 1) / q).max(1);
+        let units_cap = (room / bucket) as usize;
+        let units = |bytes: i64, base: i64| -> usize {
+            let d = (bytes - base).max(0);
+            ((d + bucket - 1) / bucket) as usize
+        };
+        let cost = |c: &Choice| c.seconds + lambda * c.risk;
+        let n = units_cap + 1;
+        let mut f: Vec<Vec<f64>> = Vec::with_capacity(problem.groups.len());
+        let mut arg = Vec::with_capacity(problem.groups.len());
+        let mut sub = Vec::with_capacity(problem.groups.len());
+        let mut prev = vec![0.0f64; n];
+        for (g, group) in problem.groups.iter().enumerate() {
+            let mut cur = vec![f64::INFINITY; n];
+            let mut a = vec![(NONE, 0u32); n];
+            for (k, ch) in group.whole.iter().enumerate() {
+                let u = units(ch.bytes, offsets[g]);
+                if u > units_cap {
+                    continue;
+                }
+                let cc = cost(ch);
+                for c in u..n {
+                    let v = prev[c - u] + cc;
+                    if v < cur[c] {
+                        cur[c] = v;
+                        a[c] = (k as u32, u as u32);
+                    }
+                }
+            }
+            let mut sub_g = None;
+            if let Some(o) = &group.opened {
+                // Inner DP over the parts: h[c] = least cost of the parts in <= c buckets.
+                let part_min: Vec<i64> = o
+                    .parts
+                    .iter()
+                    .map(|p| p.iter().map(|c| c.bytes).min().unwrap_or(0))
+                    .collect();
+                let open_base = o.base.bytes + part_min.iter().sum::<i64>();
+                let extra = units(open_base, offsets[g]);
+                if extra <= units_cap {
+                    let m = n - extra;
+                    let mut h = vec![cost(&o.base); m];
+                    let mut picks = Vec::with_capacity(o.parts.len());
+                    for (p, part) in o.parts.iter().enumerate() {
+                        let mut nh = vec![f64::INFINITY; m];
+                        let mut pk = vec![NONE; m];
+                        for (k, ch) in part.iter().enumerate() {
+                            let u = units(ch.bytes, part_min[p]);
+                            if u >= m {
+                                continue;
+                            }
+                            let cc = cost(ch);
+                            for c in u..m {
+                                let v = h[c - u] + cc;
+                                if v < nh[c] {
+                                    nh[c] = v;
+                                    pk[c] = k as u32;
+                                }
+                            }
+                        }
+                        h = nh;
+                        picks.push(pk);
+                    }
+                    // Breakpoints of h (where it strictly improves) are the only useful
+                    // opened options.
+                    let mut best = f64::INFINITY;
+                    let open_id = group.whole.len() as u32;
+                    for j in 0..m {
+                        if h[j] < best {
+                            best = h[j];
+                            let used = j + extra;
+                            for c in used..n {
+                                let v = prev[c - used] + h[j];
+                                if v < cur[c] {
+                                    cur[c] = v;
+                                    a[c] = (open_id, used as u32);
+                                }
+                            }
+                        }
+                    }
+                    sub_g = Some(picks);
+                }
+            }
+            f.push(cur.clone());
+            arg.push(a);
+            sub.push(sub_g);
+            prev = cur;
+        }
+        Table {
+            bucket,
+            units_cap,
+            f,
+            arg,
+            sub,
+        }
+    }
+
+    /// The bucket size (bytes) the DP would use for `problem`.
+    pub fn bucket_bytes(&self, problem: &Problem) -> i64 {
+        let room = problem.capacity - problem.min_bytes();
+        let q = self.buckets.max(1) as i64;
+        ((room + q - 1) / q).max(1)
+    }
+}
+
+fn backtrack(problem: &Problem, t: &Table, cap: usize) -> Vec<Pick> {
+    let mut picks = vec![Pick::Whole(0); problem.groups.len()];
+    let mut c = cap;
+    for g in (0..problem.groups.len()).rev() {
+        debug_assert!(t.f[g][c].is_finite());
+        let (k, used) = t.arg[g][c];
+        let group = &problem.groups[g];
+        if (k as usize) < group.whole.len() {
+            picks[g] = Pick::Whole(k as usize);
+        } else {
+            let o = group.opened.as_ref().expect("opened pick");
+            let subt = t.sub[g].as_ref().expect("opened table");
+            // Which inner capacity j was used: the first breakpoint reaching used - extra.
+            let extra = {
+                let offset = group_min_bytes(group);
+                let part_min: i64 = o
+                    .parts
+                    .iter()
+                    .map(|p| p.iter().map(|c| c.bytes).min().unwrap_or(0))
+                    .sum();
+                let d = (o.base.bytes + part_min - offset).max(0);
+                ((d + t.bucket - 1) / t.bucket) as usize
+            };
+            let mut j = used as usize - extra;
+            let mut ks = vec![0usize; o.parts.len()];
+            for p in (0..o.parts.len()).rev() {
+                let k = subt[p][j] as usize;
+                ks[p] = k;
+                let pmin = o.parts[p].iter().map(|c| c.bytes).min().unwrap_or(0);
+                let d = (o.parts[p][k].bytes - pmin).max(0);
+                j -= ((d + t.bucket - 1) / t.bucket) as usize;
+            }
+            picks[g] = Pick::Opened(ks);
+        }
+        c -= used as usize;
+    }
+    picks
+}
+
+/// Every selection of `problem`, for brute-force checks of small problems.
+pub fn enumerate(problem: &Problem) -> Vec<Vec<Pick>> {
+    let mut out: Vec<Vec<Pick>> = vec![Vec::new()];
+    for g in &problem.groups {
+        let mut options: Vec<Pick> = (0..g.whole.len()).map(Pick::Whole).collect();
+        if let Some(o) = &g.opened {
+            let mut combos: Vec<Vec<usize>> = vec![Vec::new()];
+            for part in &o.parts {
+                combos = combos
+                    .into_iter()
+                    .flat_map(|c| {
+                        (0..part.len()).map(move |k| {
+                            let mut c = c.clone();
+                            c.push(k);
+                            c
+                        })
+                    })
+                    .collect();
+            }
+            options.extend(combos.into_iter().map(Pick::Opened));
+        }
+        out = out
+            .into_iter()
+            .flat_map(|s| {
+                options.iter().map(move |p| {
+                    let mut s = s.clone();
+                    s.push(p.clone());
+                    s
+                })
+            })
+            .collect();
+    }
+    out
+}
+
+/// The fastest selection within `capacity` bytes and `risk_budget`, by enumeration.
+pub fn brute_force(problem: &Problem, capacity: i64, risk_budget: f64) -> Option<(Vec<Pick>, f64)> {
+    let mut best: Option<(Vec<Pick>, f64)> = None;
+    for picks in enumerate(problem) {
+        let (s, r, b) = problem.totals(&picks);
+        if b <= capacity && r <= risk_budget && best.as_ref().is_none_or(|(_, bs)| s < *bs) {
+            best = Some((picks, s));
+        }
+    }
+    best
+}
