@@ -557,6 +557,93 @@ fn attention_saves_no_probabilities() {
     assert_eq!(cx.memory().live_bytes(), expected);
 }
 
+#[test]
+fn fd_attention_window() {
+    // Sequences of 1, 4 and 6 tokens with a window of 2 and of 4: the window cuts into
+    // the longer sequences (and is wider than the shortest), so masked, partly masked and
+    // unmasked rows all get checked.
+    let (packing, q, k, v) = attention_inputs(16);
+    let scale = 1.0 / (HD as f64).sqrt();
+    for w in [2, 4] {
+        fd_check(
+            &format!("attention window {w}"),
+            &[q.clone(), k.clone(), v.clone()],
+            |cx, x| cx.attention_windowed(&x[0], &x[1], &x[2], &packing, scale, Some(w)),
+        );
+    }
+    fd_check_mask(
+        "attention window 3, q only",
+        &[q.clone(), k.clone(), v.clone()],
+        &[true, false, false],
+        |cx, x| cx.attention_windowed(&x[0], &x[1], &x[2], &packing, scale, Some(3)),
+    );
+}
+
+#[test]
+fn attention_window_matches_naive_reference() {
+    let (packing, q, k, v) = attention_inputs(17);
+    let (scale, window) = (0.3, 3usize);
+    let mut cx = Cx::new(Plan::store_all());
+    let o = cx
+        .attention_windowed(
+            &Var::param(q.clone()),
+            &Var::param(k.clone()),
+            &Var::param(v.clone()),
+            &packing,
+            scale,
+            Some(window),
+        )
+        .unwrap();
+    let o = o.tensor().to_vec3::<f64>().unwrap();
+    let (q, k, v) = (
+        q.to_vec3::<f64>().unwrap(),
+        k.to_vec3::<f64>().unwrap(),
+        v.to_vec3::<f64>().unwrap(),
+    );
+    let group = HQ / HKV;
+    let mut worst = 0.0f64;
+    for w in packing.offsets().windows(2) {
+        let (s0, s1) = (w[0], w[1]);
+        for h in 0..HQ {
+            let kv = h / group;
+            for i in s0..s1 {
+                // Keys j with i - W < j <= i (Hugging Face's sliding window).
+                let visible: Vec<usize> = (s0..=i).filter(|&j| i - j < window).collect();
+                let scores: Vec<f64> = visible
+                    .iter()
+                    .map(|&j| (0..HD).map(|e| q[i][h][e] * k[j][kv][e]).sum::<f64>() * scale)
+                    .collect();
+                let m = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                let e: Vec<f64> = scores.iter().map(|s| (s - m).exp()).collect();
+                let z: f64 = e.iter().sum();
+                for d in 0..HD {
+                    let want: f64 = visible
+                        .iter()
+                        .zip(&e)
+                        .map(|(&j, e)| e / z * v[j][kv][d])
+                        .sum();
+                    worst = worst.max((o[i][h][d] - want).abs());
+                }
+            }
+        }
+    }
+    // Same bound and reason as the unwindowed case.
+    assert!(worst < 1e-12, "windowed attention vs naive: max abs diff {worst:e}");
+    let mut cx = Cx::new(Plan::store_all());
+    let (packing, q, k, v) = attention_inputs(17);
+    let e = cx
+        .attention_windowed(
+            &Var::param(q),
+            &Var::param(k),
+            &Var::param(v),
+            &packing,
+            scale,
+            Some(0),
+        )
+        .unwrap_err();
+    assert!(e.to_string().contains("window"), "{e}");
+}
+
 // ----- token log-probs ----------------------------------------------------------------
 
 const N: usize = 7;

@@ -71,7 +71,8 @@ impl TokenBatch {
         }
         let n = inputs.len();
         let packing = Packing::new(&lengths, device)?;
-        let rope = RopeTables::new(&packing, cfg.head_dim, cfg.rope_theta, DType::F32, device)?;
+        // The config's tables: RoPE scaling included.
+        let rope = cfg.rope_tables(&packing.positions().to_vec1::<u32>()?, DType::F32, device)?;
         Ok(TokenBatch {
             inputs: Tensor::from_vec(inputs, n, device)?,
             targets: Tensor::from_vec(targets, n, device)?,

@@ -134,25 +134,40 @@ pub struct Attention {
     pub k_proj: Linear,
     pub v_proj: Linear,
     pub o_proj: Linear,
+    /// Qwen3's per-head RMSNorm of the queries (`[head_dim]`), applied before RoPE.
+    pub q_norm: Option<Var>,
+    /// Qwen3's per-head RMSNorm of the keys (`[head_dim]`), applied before RoPE.
+    pub k_norm: Option<Var>,
     dims: Dims,
+    /// This layer's sliding window (keys per query), if it has one.
+    window: Option<usize>,
 }
 
 impl Attention {
-    /// Unit `qkv`: the q/k/v projections (with their biases when the config has them) and
-    /// RoPE on q and k; returns `q: [N, Hq, D]`, `k, v: [N, Hkv, D]`.
+    /// Unit `qkv`: the q/k/v projections (with their biases when the config has them),
+    /// Qwen3's per-head q/k RMSNorm when present, and RoPE on q and k; returns
+    /// `q: [N, Hq, D]`, `k, v: [N, Hkv, D]`.
     ///
     /// Saves the normed hidden state `h: [N, hidden]` (one storage, read by all three
     /// projections' weight gradients) and the shared RoPE tables (exact, counted once for
-    /// the whole model). The pre-RoPE q and k are not saved: RoPE is linear.
+    /// the whole model). The pre-RoPE q and k are not saved: RoPE is linear. With q/k
+    /// norms it also saves the projected q and k (`[N, Hq D]`, `[N, Hkv D]`), which the
+    /// norms' backward reads.
     #[recovery_unit(name = "qkv", cost = self.dims.qkv_cost(h.dim(0)?), deterministic)]
     pub fn qkv(&self, cx: &mut Cx, h: &Var, rope: &RopeTables) -> Result<(Var, Var, Var)> {
         let n = h.dim(0)?;
         let d = self.dims;
         let q = self.q_proj.forward(cx, h)?;
-        let q = cx.reshape(&q, (n, d.heads, d.head_dim))?;
+        let mut q = cx.reshape(&q, (n, d.heads, d.head_dim))?;
+        if let Some(w) = &self.q_norm {
+            q = cx.rms_norm(&q, w, d.eps)?;
+        }
         let q = cx.rope(&q, rope)?;
         let k = self.k_proj.forward(cx, h)?;
-        let k = cx.reshape(&k, (n, d.kv_heads, d.head_dim))?;
+        let mut k = cx.reshape(&k, (n, d.kv_heads, d.head_dim))?;
+        if let Some(w) = &self.k_norm {
+            k = cx.rms_norm(&k, w, d.eps)?;
+        }
         let k = cx.rope(&k, rope)?;
         let v = self.v_proj.forward(cx, h)?;
         let v = cx.reshape(&v, (n, d.kv_heads, d.head_dim))?;
@@ -160,14 +175,20 @@ impl Attention {
     }
 
     /// Unit `attn_core`: causal attention within each packed sequence, query head `h`
-    /// reading key/value head `h / (Hq / Hkv)`, scores scaled by `1 / sqrt(D)`.
+    /// reading key/value head `h / (Hq / Hkv)`, scores scaled by `1 / sqrt(D)`, limited to
+    /// the layer's sliding window when it has one ([`DecoderConfig::layer_window`]).
     ///
     /// Saves q, k, v, the output o and the per-row log-sum-exp (`[Hq, N]`, exact): the
     /// flash-attention set, never the `T x T` probabilities.
     #[recovery_unit(name = "attn_core", cost = self.dims.attn_core_cost(packing.sum_sq_lengths()), deterministic)]
     pub fn core(&self, cx: &mut Cx, q: &Var, k: &Var, v: &Var, packing: &Packing) -> Result<Var> {
         let scale = 1.0 / (self.dims.head_dim as f64).sqrt();
-        cx.attention(q, k, v, packing, scale)
+        cx.attention_windowed(q, k, v, packing, scale, self.window)
+    }
+
+    /// This layer's sliding window (keys per query), if any.
+    pub fn window(&self) -> Option<usize> {
+        self.window
     }
 
     /// Unit `attn_out`: the output projection of the concatenated heads, plus the
@@ -282,6 +303,14 @@ enum Init {
 
 /// Every parameter of a config: name, shape, initialization, in [`Decoder::named_params`]
 /// order.
+pub(crate) fn param_shapes(cfg: &DecoderConfig) -> Vec<(String, Vec<usize>)> {
+    param_specs(cfg)
+        .into_iter()
+        .map(|(n, s, _)| (n, s))
+        .collect()
+}
+
+/// [`param_shapes`] with each parameter's random initialization.
 fn param_specs(cfg: &DecoderConfig) -> Vec<(String, Vec<usize>, Init)> {
     let (h, i, q, kv) = (
         cfg.hidden_size,
@@ -312,6 +341,18 @@ fn param_specs(cfg: &DecoderConfig) -> Vec<(String, Vec<usize>, Init)> {
             vec![h, q],
             Init::Weight,
         ));
+        if cfg.o_proj_bias() {
+            v.push((format!("{p}.self_attn.o_proj.bias"), vec![h], Init::Bias));
+        }
+        if cfg.qk_norm() {
+            for name in ["q_norm", "k_norm"] {
+                v.push((
+                    format!("{p}.self_attn.{name}.weight"),
+                    vec![cfg.head_dim],
+                    Init::Norm,
+                ));
+            }
+        }
         v.push((
             format!("{p}.post_attention_layernorm.weight"),
             vec![h],
@@ -414,12 +455,25 @@ impl Decoder {
                     })
                 };
             let b = cfg.attention_bias;
+            let norm = |name: &str| -> Result<Option<Var>, ModelError> {
+                if cfg.qk_norm() {
+                    Ok(Some(take(
+                        &format!("{p}.self_attn.{name}.weight"),
+                        &[cfg.head_dim],
+                    )?))
+                } else {
+                    Ok(None)
+                }
+            };
             let self_attn = Attention {
                 q_proj: proj("self_attn.q_proj", q, h, b)?,
                 k_proj: proj("self_attn.k_proj", kv, h, b)?,
                 v_proj: proj("self_attn.v_proj", kv, h, b)?,
-                o_proj: proj("self_attn.o_proj", h, q, false)?,
+                o_proj: proj("self_attn.o_proj", h, q, cfg.o_proj_bias())?,
+                q_norm: norm("q_norm")?,
+                k_norm: norm("k_norm")?,
                 dims,
+                window: cfg.layer_window(l),
             };
             let mlp = Mlp {
                 gate_proj: proj("mlp.gate_proj", i, h, false)?,
@@ -479,8 +533,9 @@ impl Decoder {
 
     /// Every parameter with its Hugging Face / candle-transformers name, in a stable order:
     /// the embedding, each layer (input norm, q/k/v projections with their biases when
-    /// present, o projection, post-attention norm, gate/up/down), the final norm, and
-    /// `lm_head.weight` unless the embeddings are tied.
+    /// present, o projection and its bias when present, Qwen3's q/k norms, post-attention
+    /// norm, gate/up/down), the final norm, and `lm_head.weight` unless the embeddings are
+    /// tied.
     pub fn named_params(&self) -> Vec<(String, Var)> {
         let mut out = Vec::new();
         self.visit(|name, v| out.push((name, v.clone())));
@@ -510,6 +565,15 @@ impl Decoder {
                 }
             }
             out.push((format!("{p}.self_attn.o_proj.weight"), &mut a.o_proj.weight));
+            if let Some(b) = &mut a.o_proj.bias {
+                out.push((format!("{p}.self_attn.o_proj.bias"), b));
+            }
+            if let Some(w) = &mut a.q_norm {
+                out.push((format!("{p}.self_attn.q_norm.weight"), w));
+            }
+            if let Some(w) = &mut a.k_norm {
+                out.push((format!("{p}.self_attn.k_norm.weight"), w));
+            }
             out.push((
                 format!("{p}.post_attention_layernorm.weight"),
                 &mut layer.post_attention_layernorm,
@@ -546,6 +610,15 @@ impl Decoder {
                 }
             }
             f(format!("{p}.self_attn.o_proj.weight"), &a.o_proj.weight);
+            if let Some(b) = &a.o_proj.bias {
+                f(format!("{p}.self_attn.o_proj.bias"), b);
+            }
+            if let Some(w) = &a.q_norm {
+                f(format!("{p}.self_attn.q_norm.weight"), w);
+            }
+            if let Some(w) = &a.k_norm {
+                f(format!("{p}.self_attn.k_norm.weight"), w);
+            }
             f(
                 format!("{p}.post_attention_layernorm.weight"),
                 &layer.post_attention_layernorm,

@@ -19,7 +19,7 @@ pub enum ModelError {
     /// names the field and gives the line and column).
     #[error(
         "cannot parse model config {}: {source}; expected a Hugging Face config.json of the \
-         Llama/Qwen2 family (fields vocab_size, hidden_size, intermediate_size, \
+         Llama/Qwen2/Qwen3/Mistral family (fields vocab_size, hidden_size, intermediate_size, \
          num_hidden_layers, num_attention_heads, and optionally num_key_value_heads, head_dim, \
          rms_norm_eps, rope_theta, tie_word_embeddings, max_position_embeddings, \
          attention_bias, model_type)",
@@ -45,6 +45,21 @@ pub enum ModelError {
     /// A parameter tensor that does not fit the config.
     #[error("parameter `{name}`: {problem}")]
     Param { name: String, problem: String },
+    /// A model file (weights, shard index, tokenizer, output directory) that is missing,
+    /// unreadable, truncated or inconsistent: the message names the file and says what was
+    /// expected.
+    #[error("{}: {problem}", path.display())]
+    File { path: PathBuf, problem: String },
+    /// A tensor of a weights file that does not fit the config (shape, dtype, missing).
+    #[error("{}: tensor `{tensor}` {problem}", path.display())]
+    Tensor {
+        /// The weights file (or shard index) that holds or should hold it.
+        path: PathBuf,
+        /// The tensor's name.
+        tensor: String,
+        /// What is wrong and what was expected.
+        problem: String,
+    },
     /// Token sequences that cannot form a batch for this model.
     #[error("token batch: {0}")]
     Batch(String),

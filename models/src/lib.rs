@@ -78,12 +78,17 @@ pub mod generate;
 pub mod plans;
 pub mod reference;
 pub mod rng;
+mod tokenizer;
 pub mod zoo;
 
 pub use batch::TokenBatch;
-pub use config::{DecoderConfig, SUPPORTED_MODEL_TYPES};
+pub use config::{
+    DecoderConfig, RopeScaling, SUPPORTED_ARCHITECTURES, SUPPORTED_MODEL_TYPES,
+    SUPPORTED_ROPE_TYPES,
+};
 pub use decoder::{
     Attention, Decoder, DecoderLayer, Dims, Linear, Mlp, DEFAULT_LOGITS_CHUNK_ELEMS, INIT_STD,
     NORM_INIT_STD,
 };
 pub use error::ModelError;
+pub use tokenizer::Tokenizer;

@@ -150,10 +150,10 @@ fn config_errors_name_the_file_the_field_and_the_fix() {
 
     let e = err(
         "type2.json",
-        &format!(r#"{{{base}, "num_attention_heads": 2, "model_type": "qwen3"}}"#),
+        &format!(r#"{{{base}, "num_attention_heads": 2, "model_type": "gpt2"}}"#),
     );
     assert!(
-        e.contains("`model_type`") && e.contains("llama, qwen2"),
+        e.contains("`model_type`") && e.contains("llama, qwen2, qwen3, mistral"),
         "{e}"
     );
 

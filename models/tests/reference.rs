@@ -39,6 +39,7 @@ fn config(tied: bool, bias: bool) -> DecoderConfig {
         max_position_embeddings: 64,
         attention_bias: bias,
         model_type: Some(if bias { "qwen2" } else { "llama" }.into()),
+        ..DecoderConfig::tiny()
     }
 }
 

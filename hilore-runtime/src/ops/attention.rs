@@ -45,10 +45,36 @@ fn scores(qs: &Tensor, k: &Tensor, mask: &Tensor, dims: Dims) -> Result<Tensor> 
     Ok(s.broadcast_add(&mask.narrow(0, 0, t)?.narrow(1, 0, t)?)?)
 }
 
+/// The additive mask `[t, t]` of `dtype` for causal attention, optionally restricted to a
+/// sliding window: key `j` is visible to query `i` when `j <= i` and, with a window `W`,
+/// `i - j < W` (the `W` most recent keys, the query's own included: Hugging Face's
+/// `sliding_window` semantics). 0 where visible, `-inf` elsewhere; the diagonal is always
+/// visible (`W >= 1`), so every row's maximum stays finite.
+fn attention_mask(
+    t: usize,
+    window: Option<usize>,
+    dtype: candle_core::DType,
+    dev: &candle_core::Device,
+) -> Result<Tensor> {
+    let Some(w) = window.filter(|&w| w < t) else {
+        return causal_mask(t, dtype, dev);
+    };
+    let mut m = vec![f32::NEG_INFINITY; t * t];
+    for i in 0..t {
+        let first = (i + 1).saturating_sub(w);
+        for v in &mut m[i * t + first..=i * t + i] {
+            *v = 0.0;
+        }
+    }
+    Ok(Tensor::from_vec(m, (t, t), dev)?.to_dtype(dtype)?)
+}
+
 struct Attention {
     offsets: Vec<usize>,
     dims: Dims,
     scale: f64,
+    /// Sliding window (keys per query), if any.
+    window: Option<usize>,
     /// Whether `v` and `o` were saved (only `dQ` and `dK` read them).
     saved_vo: bool,
 }
@@ -86,7 +112,7 @@ impl Op for Attention {
             .map(|w| w[1] - w[0])
             .max()
             .unwrap_or(0);
-        let mask = causal_mask(tmax, dt, dev)?;
+        let mask = attention_mask(tmax, self.window, dt, dev)?;
         for w in self.offsets.windows(2) {
             let (start, t) = (w[0], w[1] - w[0]);
             let qs = heads(q, start, t, self.scale)?;
@@ -149,6 +175,29 @@ impl<'m> Cx<'m> {
         packing: &Packing,
         scale: f64,
     ) -> Result<Var> {
+        self.attention_windowed(q, k, v, packing, scale, None)
+    }
+
+    /// [`Cx::attention`] with an optional sliding window: with `Some(W)`, query `i` of a
+    /// sequence sees keys `j` with `i - W < j <= i` (the `W` most recent positions, itself
+    /// included, as Hugging Face's `sliding_window` for Mistral and Qwen2), `None` is plain
+    /// causal attention. Same saved state as [`Cx::attention`]; the window only changes the
+    /// mask, which the backward rebuilds from `W`. `W` must be at least 1.
+    pub fn attention_windowed(
+        &mut self,
+        q: &Var,
+        k: &Var,
+        v: &Var,
+        packing: &Packing,
+        scale: f64,
+        window: Option<usize>,
+    ) -> Result<Var> {
+        if window == Some(0) {
+            return shape_err(
+                "attention",
+                "a sliding window of 0 keys hides every key; use at least 1 (or no window)",
+            );
+        }
         let (n, hq, d) = match q.dims() {
             [n, h, d] => (*n, *h, *d),
             dims => return shape_err("attention", format!("q must be [N, Hq, D], got {dims:?}")),
@@ -181,7 +230,7 @@ impl<'m> Cx<'m> {
         let lse = Tensor::zeros((hq, n), dt, dev)?;
         let offsets = packing.offsets().to_vec();
         let tmax = packing.lengths().into_iter().max().unwrap_or(0);
-        let mask = causal_mask(tmax, dt, dev)?;
+        let mask = attention_mask(tmax, window, dt, dev)?;
         for w in offsets.windows(2) {
             let (start, t) = (w[0], w[1] - w[0]);
             let qs = heads(&q.tensor, start, t, scale)?;
@@ -212,6 +261,7 @@ impl<'m> Cx<'m> {
             offsets,
             dims,
             scale,
+            window,
             saved_vo,
         };
         self.record(op, &[q, k, v], out, saved)

@@ -54,11 +54,29 @@ impl RopeTables {
         let inv_freq: Vec<f64> = (0..half)
             .map(|i| theta.powf(-((2 * i) as f64) / head_dim as f64))
             .collect();
+        Self::from_inv_freq(positions, &inv_freq, dtype, device)
+    }
+
+    /// Tables for explicit positions and explicit inverse frequencies (`head_dim / 2` of
+    /// them): `angle[n, i] = position[n] * inv_freq[i]` in f64, then cast to `dtype`. For
+    /// scaled RoPE variants (linear, Llama 3), whose frequencies are not `theta^(-2i/D)`.
+    pub fn from_inv_freq(
+        positions: &[u32],
+        inv_freq: &[f64],
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Self> {
+        if inv_freq.is_empty() || inv_freq.iter().any(|f| !f.is_finite()) {
+            return Err(Error::Tape(format!(
+                "RopeTables: need at least one finite inverse frequency, got {inv_freq:?}"
+            )));
+        }
+        let half = inv_freq.len();
         let n = positions.len();
         let mut cos = Vec::with_capacity(n * half);
         let mut sin = Vec::with_capacity(n * half);
         for &p in positions {
-            for &f in &inv_freq {
+            for &f in inv_freq {
                 let a = p as f64 * f;
                 cos.push(a.cos());
                 sin.push(a.sin());
