@@ -686,6 +686,21 @@ impl Decoder {
         self.head(cx, &x, &targets)
     }
 
+    /// The full logits `[N, vocab]` of every input token of `batch` (embedding, layers,
+    /// final norm, LM head), through the same units as [`Decoder::token_logprobs`] up to
+    /// the head. Materializes all `N x vocab` logits at once: for inspection, tests and
+    /// small batches (training and scoring use the chunked log-probs of the `head` unit).
+    pub fn logits<'m>(&'m self, cx: &mut Cx<'m>, batch: &TokenBatch) -> Result<Var> {
+        self.check_batch(batch)?;
+        let ids = Var::constant(batch.inputs.clone());
+        let mut x = self.embed(cx, &ids)?;
+        for layer in &self.layers {
+            x = layer.forward(cx, &x, &batch.packing, &batch.rope)?;
+        }
+        let h = cx.rms_norm(&x, &self.norm, self.dims.eps)?;
+        cx.linear(&h, self.head_weight(), None)
+    }
+
     fn check_batch(&self, batch: &TokenBatch) -> Result<()> {
         let n = batch.num_tokens();
         let bad = |what: String| {
