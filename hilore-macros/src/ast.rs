@@ -27,6 +27,8 @@ pub(crate) struct Signature {
     pub params: Vec<Param>,
     /// The lifetime written on `Cx<'a>`, if any.
     pub cx_lifetime: Option<syn::Lifetime>,
+    /// `T` in the return type `Result<T>` / `Result<T, E>`, if written that way.
+    pub output: Option<Type>,
 }
 
 /// Whether `ty` is `&mut Cx` / `&mut path::Cx<..>`; returns the lifetime argument of `Cx`.
@@ -44,7 +46,11 @@ fn as_cx(ty: &Type) -> Option<Option<Option<syn::Lifetime>>> {
         }),
         _ => None,
     };
-    Some(if r.mutability.is_some() { Some(lt) } else { None })
+    Some(if r.mutability.is_some() {
+        Some(lt)
+    } else {
+        None
+    })
 }
 
 fn mentions_var(ty: &Type) -> bool {
@@ -83,42 +89,46 @@ pub(crate) fn analyze(cx: &mut Ctxt, f: &ItemFn) -> Signature {
         cx.error_spanned_by(a, "a recovery unit cannot be `async`: backward re-runs its body synchronously; make it a plain `fn`");
     }
     if let Some(c) = &sig.constness {
-        cx.error_spanned_by(c, "a recovery unit cannot be `const`: it runs ops on the tape; remove `const`");
+        cx.error_spanned_by(
+            c,
+            "a recovery unit cannot be `const`: it runs ops on the tape; remove `const`",
+        );
     }
     if let Some(abi) = &sig.abi {
-        cx.error_spanned_by(abi, "a recovery unit cannot have an `extern` ABI; remove it");
+        cx.error_spanned_by(
+            abi,
+            "a recovery unit cannot have an `extern` ABI; remove it",
+        );
     }
     if let Some(v) = &sig.variadic {
         cx.error_spanned_by(v, "a recovery unit cannot be variadic");
-    }
-    for g in &sig.generics.params {
-        if let syn::GenericParam::Const(c) = g {
-            // Const generics are fine as configuration; nothing to check.
-            let _ = c;
-        }
     }
     let mut out = Signature {
         receiver: false,
         params: Vec::new(),
         cx_lifetime: None,
+        output: None,
     };
     let mut cx_count = 0;
+    let mut cx_not_mut = false;
     for arg in &sig.inputs {
         match arg {
             FnArg::Receiver(r) => {
                 if r.colon_token.is_some() {
-                    cx.error_spanned_by(r, "a recovery unit method takes `&self`; other receiver types are not supported");
+                    cx.error_spanned_by(r, "a recovery unit method takes `&self`: write `&self`; other receiver types (`self: Rc<Self>`, ...) are not supported");
                 } else if r.reference.is_none() {
                     cx.error_spanned_by(r, "a recovery unit cannot take `self` by value: the module must outlive the tape that recomputes it; take `&self`");
                 } else if r.mutability.is_some() {
-                    cx.error_spanned_by(r, "a recovery unit cannot take `&mut self`: recompute replays the body later and mutable state cannot be replayed; take `&self` and keep mutable state outside the unit");
+                    cx.error_spanned_by(r, "a recovery unit cannot take `&mut self`: its body runs again on recompute, so it must not mutate the module; take `&self` and keep mutable state (counters, caches) outside the unit");
                 } else {
                     out.receiver = true;
                 }
             }
             FnArg::Typed(pt) => {
                 let ident = match &*pt.pat {
-                    Pat::Ident(pi) if pi.by_ref.is_none() && pi.subpat.is_none() => pi.ident.clone(),
+                    Pat::Ident(pi) if pi.by_ref.is_none() && pi.subpat.is_none() => {
+                        pi.ident.clone()
+                    }
                     other => {
                         cx.error_spanned_by(other, "unsupported parameter pattern in a recovery unit: bind each parameter to a plain name (`x: &Var`)");
                         continue;
@@ -130,7 +140,10 @@ pub(crate) fn analyze(cx: &mut Ctxt, f: &ItemFn) -> Signature {
                         Some(lt) => {
                             cx_count += 1;
                             if cx_count > 1 {
-                                cx.error_spanned_by(&pt.ty, "a recovery unit takes the tape context `&mut Cx` once");
+                                cx.error_spanned_by(
+                                    &pt.ty,
+                                    "a recovery unit takes the tape context `&mut Cx` once",
+                                );
                             }
                             out.cx_lifetime = lt;
                             out.params.push(Param {
@@ -141,7 +154,10 @@ pub(crate) fn analyze(cx: &mut Ctxt, f: &ItemFn) -> Signature {
                                 is_tape: false,
                             });
                         }
-                        None => cx.error_spanned_by(&pt.ty, "the tape context must be taken as `&mut Cx`: units record ops on it"),
+                        None => {
+                            cx_not_mut = true;
+                            cx.error_spanned_by(&pt.ty, "the tape context must be `&mut Cx`: a unit records its ops on the tape; write `cx: &mut Cx`")
+                        }
                     }
                     continue;
                 }
@@ -151,7 +167,7 @@ pub(crate) fn analyze(cx: &mut Ctxt, f: &ItemFn) -> Signature {
                 }
                 let role = match &ty {
                     Type::Reference(r) if r.mutability.is_some() => {
-                        cx.error_spanned_by(&pt.ty, format!("`{}` is `&mut`: a recovery unit's inputs cannot be replayed if the unit may mutate them; take `&` or move the state into the module", ident));
+                        cx.error_spanned_by(&pt.ty, format!("`{ident}` is taken by `&mut`: a recovery unit's body runs again on recompute, so it must not mutate its inputs; take it by `&` (or by value if it is `Copy`), or keep the mutable state outside the unit"));
                         continue;
                     }
                     Type::Reference(r) => ParamRole::ByRef((*r.elem).clone()),
@@ -167,7 +183,7 @@ pub(crate) fn analyze(cx: &mut Ctxt, f: &ItemFn) -> Signature {
             }
         }
     }
-    if cx_count == 0 {
+    if cx_count == 0 && !cx_not_mut {
         cx.error_spanned_by(&sig.ident, format!("`{}` takes no tape context: a recovery unit records its ops on the tape, add a parameter `cx: &mut Cx`", sig.ident));
     }
     let ok_ret = match &sig.output {
@@ -177,12 +193,31 @@ pub(crate) fn analyze(cx: &mut Ctxt, f: &ItemFn) -> Signature {
         },
         ReturnType::Default => false,
     };
+    if let ReturnType::Type(_, ty) = &sig.output {
+        if contains_impl_trait(ty) {
+            cx.error_spanned_by(ty, "a recovery unit cannot return `impl Trait`: the recompute closure needs a nameable output type; name it (`-> Result<Var>`, `-> Result<(Var, Var)>`)");
+        } else if ok_ret {
+            out.output = result_ok_type(ty);
+        }
+    }
     if !ok_ret {
-        let msg = "a recovery unit returns `Result<...>` of its output tape values (e.g. `-> Result<Var>`): recompute and fidelity errors must be able to surface";
+        let msg = "a recovery unit must return `Result<...>` of its output tape values: write `-> Result<Var>` (or `Result<(Var, Var)>`, ...); fidelity and recompute errors surface through it";
         match &sig.output {
             ReturnType::Type(_, ty) => cx.error_spanned_by(ty, msg),
             ReturnType::Default => cx.error_spanned_by(&sig.ident, msg),
         }
     }
     out
+}
+
+/// `T` in `Result<T>` / `path::Result<T, E>`.
+fn result_ok_type(ty: &Type) -> Option<Type> {
+    let Type::Path(p) = ty else { return None };
+    let syn::PathArguments::AngleBracketed(a) = &p.path.segments.last()?.arguments else {
+        return None;
+    };
+    a.args.iter().find_map(|g| match g {
+        syn::GenericArgument::Type(t) => Some(t.clone()),
+        _ => None,
+    })
 }

@@ -16,10 +16,6 @@ impl Ctxt {
         self.errors.push(syn::Error::new(span, msg));
     }
 
-    pub(crate) fn syn_error(&mut self, e: syn::Error) {
-        self.errors.push(e);
-    }
-
     /// All errors combined into one, or `Ok` if there were none.
     pub(crate) fn check(self) -> Result<(), syn::Error> {
         let mut iter = self.errors.into_iter();

@@ -20,8 +20,21 @@ use proc_macro::TokenStream;
 /// - `cost = <expr>` (required): an estimate of the unit's forward cost (e.g. FLOPs),
 ///   evaluated on the live inputs; may use `?`.
 /// - `deterministic`: the body replays bit-identically, so the unit may be recomputed.
+///   The body is checked for obvious nondeterminism (thread/OS RNGs, unseeded tensor RNGs,
+///   clocks, randomly ordered hash maps).
 /// - `name = "..."`: the unit's name in plans and reports (default: the function's name).
 /// - `codecs = ["bf16", ...]`: the only codecs the Compress fidelity may use.
+///
+/// The function takes `&self` (or no receiver), the tape context `cx: &mut Cx`, and inputs
+/// that are `Replayable`: tape values (`&Var`, `Var`, `&[Var]`), `Copy` configuration, or
+/// replayable metadata (`&Packing`, `&RopeTables`). It returns `Result<T>` with `T` a
+/// `UnitOutput` (`Var`, a tuple of them, `Vec<Var>`).
+///
+/// The macro ties `&self` and `Cx` to one model lifetime `'m` (the recompute closure
+/// borrows the module). In a trait impl, whose signature must match the trait's, write
+/// that lifetime in the trait and the impl alike:
+/// `fn forward<'m>(&'m self, cx: &mut Cx<'m>, x: &Var) -> Result<Var>`; the macro then
+/// adds nothing to the signature.
 #[proc_macro_attribute]
 pub fn recovery_unit(args: TokenStream, item: TokenStream) -> TokenStream {
     expand::recovery_unit(args.into(), item.into()).into()

@@ -8,43 +8,76 @@
 use crate::ctxt::Ctxt;
 use syn::visit::Visit;
 
-/// Path segments that mark nondeterminism, and the reason.
-const FORBIDDEN: &[(&str, &str)] = &[
-    ("thread_rng", "a thread RNG draws different values on recompute"),
-    ("ThreadRng", "a thread RNG draws different values on recompute"),
-    ("OsRng", "the OS RNG draws different values on recompute"),
-    ("getrandom", "the OS RNG draws different values on recompute"),
-    ("from_entropy", "an RNG seeded from entropy draws different values on recompute"),
-    ("SystemTime", "the clock reads differently on recompute"),
-    ("Instant", "the clock reads differently on recompute"),
-    ("RandomState", "a randomly seeded hasher iterates differently on recompute; use `BTreeMap`"),
-    ("HashMap", "`HashMap` iterates in a random order that differs on recompute; use `BTreeMap` or a `Vec`"),
-    ("HashSet", "`HashSet` iterates in a random order that differs on recompute; use `BTreeSet` or a `Vec`"),
+/// What a `deterministic` unit is, said once in every message.
+const WHY: &str =
+    "a `deterministic` unit is re-run in backward and must reproduce its forward bit for bit";
+
+/// The fix for randomness.
+const RNG_FIX: &str = "draw randomness from the tape's counter-based RNG (`cx.counter_uniform(..)`, `cx.dropout(..)`), which replays identically, or remove `deterministic`";
+
+/// Path segments that mark nondeterminism: what they do, and the fix.
+const FORBIDDEN: &[(&str, &str, &str)] = &[
+    ("thread_rng", "draws from a thread RNG, which gives other values on recompute", RNG_FIX),
+    ("ThreadRng", "is a thread RNG, which gives other values on recompute", RNG_FIX),
+    ("OsRng", "draws from the OS RNG, which gives other values on recompute", RNG_FIX),
+    ("getrandom", "draws from the OS RNG, which gives other values on recompute", RNG_FIX),
+    ("from_entropy", "seeds an RNG from entropy, which gives other values on recompute", RNG_FIX),
+    ("from_os_rng", "seeds an RNG from the OS, which gives other values on recompute", RNG_FIX),
+    (
+        "SystemTime",
+        "reads the clock, which reads differently on recompute",
+        "compute time-dependent values outside the unit and pass them in as a `Var` or a `Copy` input, or remove `deterministic`",
+    ),
+    (
+        "Instant",
+        "reads the clock, which reads differently on recompute",
+        "time the unit from outside its body, or pass time-dependent values in as a `Var` or a `Copy` input, or remove `deterministic`",
+    ),
+    (
+        "RandomState",
+        "seeds a hasher randomly, so iteration order differs on recompute",
+        "use a `BTreeMap` or a `Vec`, or remove `deterministic`",
+    ),
+    (
+        "HashMap",
+        "iterates in a random order that differs on recompute",
+        "use a `BTreeMap` or a `Vec`, or remove `deterministic`",
+    ),
+    (
+        "HashSet",
+        "iterates in a random order that differs on recompute",
+        "use a `BTreeSet` or a `Vec`, or remove `deterministic`",
+    ),
 ];
 
-/// Function names (path tails or methods) of unseeded tensor RNGs.
+/// Function names (path tails like `Tensor::randn`, `rand::random`) of unseeded RNGs.
 const FORBIDDEN_CALLS: &[&str] = &["randn", "rand", "randn_like", "rand_like", "random", "rng"];
+
+/// Methods of unseeded tensor RNGs (`x.randn_like(..)`).
+const FORBIDDEN_METHODS: &[&str] = &["randn_like", "rand_like"];
 
 struct Finder<'a> {
     cx: &'a mut Ctxt,
 }
 
-const FIX: &str = "a `deterministic` recovery unit is re-run on recompute and must reproduce its forward bit for bit; draw randomness from the tape (`cx.counter_uniform(..)`, `cx.dropout(..)`), which replays identically, or drop `deterministic`";
-
 impl Finder<'_> {
     fn path(&mut self, path: &syn::Path) {
         for seg in &path.segments {
             let s = seg.ident.to_string();
-            if let Some((_, why)) = FORBIDDEN.iter().find(|(n, _)| *n == s) {
-                self.cx.error_spanned_by(&seg.ident, format!("nondeterminism in a deterministic unit: `{s}`: {why}; {FIX}"));
+            if let Some((_, what, fix)) = FORBIDDEN.iter().find(|(n, _, _)| *n == s) {
+                self.cx
+                    .error_spanned_by(&seg.ident, format!("`{s}` {what}: {WHY}; {fix}"));
                 return;
             }
         }
-        if path.segments.len() >= 2 {
-            let last = path.segments.last().map(|s| s.ident.to_string()).unwrap_or_default();
-            if FORBIDDEN_CALLS.contains(&last.as_str()) {
-                let seg = &path.segments.last().unwrap().ident;
-                self.cx.error_spanned_by(seg, format!("nondeterminism in a deterministic unit: `{}` draws from an unseeded RNG; {FIX}", quote::quote!(#path).to_string().replace(' ', "")));
+        if let [.., _, last] = path.segments.iter().collect::<Vec<_>>()[..] {
+            let name = last.ident.to_string();
+            if FORBIDDEN_CALLS.contains(&name.as_str()) {
+                let text = crate::expand::render(quote::ToTokens::to_token_stream(path));
+                self.cx.error_spanned_by(
+                    path,
+                    format!("`{text}` draws from an unseeded RNG, which gives other values on recompute: {WHY}; {RNG_FIX}"),
+                );
             }
         }
     }
@@ -58,8 +91,11 @@ impl<'ast> Visit<'ast> for Finder<'_> {
 
     fn visit_expr_method_call(&mut self, m: &'ast syn::ExprMethodCall) {
         let name = m.method.to_string();
-        if name == "randn_like" || name == "rand_like" {
-            self.cx.error_spanned_by(&m.method, format!("nondeterminism in a deterministic unit: `.{name}()` draws from an unseeded RNG; {FIX}"));
+        if FORBIDDEN_METHODS.contains(&name.as_str()) {
+            self.cx.error_spanned_by(
+                &m.method,
+                format!("`.{name}()` draws from an unseeded RNG, which gives other values on recompute: {WHY}; {RNG_FIX}"),
+            );
         }
         syn::visit::visit_expr_method_call(self, m);
     }
@@ -67,7 +103,9 @@ impl<'ast> Visit<'ast> for Finder<'_> {
     fn visit_macro(&mut self, m: &'ast syn::Macro) {
         self.path(&m.path);
         // Look inside macro calls whose arguments parse as expressions (println!, vec!, ...).
-        if let Ok(args) = m.parse_body_with(syn::punctuated::Punctuated::<syn::Expr, syn::Token![,]>::parse_terminated) {
+        if let Ok(args) = m.parse_body_with(
+            syn::punctuated::Punctuated::<syn::Expr, syn::Token![,]>::parse_terminated,
+        ) {
             for a in &args {
                 self.visit_expr(a);
             }
