@@ -1,0 +1,195 @@
+//! Tasks with verifiable rewards: seeded procedural generators shipped in the binary
+//! (multi-digit arithmetic, Countdown) and user datasets in JSONL with a GSM8K-style
+//! final-answer reward.
+//!
+//! Every task gives examples (a prompt, a reference solution used by the warm start, and
+//! the answer the reward checks), a tokenizer, and a reward for a response's text. Rewards
+//! never fail: a malformed response scores 0.
+
+mod arithmetic;
+mod countdown;
+mod jsonl;
+
+pub use arithmetic::Arithmetic;
+pub use countdown::Countdown;
+pub use jsonl::Jsonl;
+
+use crate::tokenizer::Tokenizer;
+use anyhow::bail;
+use hilore_models::rng::SplitMix64;
+use std::path::PathBuf;
+
+/// The built-in task names.
+pub const TASK_NAMES: [&str; 3] = ["arithmetic", "countdown", "jsonl"];
+
+/// One problem.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Example {
+    /// The prompt text (the model sees BOS + prompt).
+    pub prompt: String,
+    /// A correct response (what the warm start imitates; EOS is appended).
+    pub solution: String,
+    /// What the reward checks against.
+    pub answer: String,
+}
+
+/// What a response earned.
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize)]
+pub struct Reward {
+    /// The scalar reward.
+    pub value: f32,
+    /// Whether the response is fully correct (counts towards accuracy).
+    pub correct: bool,
+}
+
+impl Reward {
+    /// Full marks.
+    pub const CORRECT: Reward = Reward {
+        value: 1.0,
+        correct: true,
+    };
+    /// Nothing.
+    pub const ZERO: Reward = Reward {
+        value: 0.0,
+        correct: false,
+    };
+}
+
+/// How to build a task from the command line.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct TaskSpec {
+    /// `arithmetic`, `countdown` or `jsonl`.
+    pub name: String,
+    /// Arithmetic: digits per operand.
+    pub digits: usize,
+    /// Arithmetic: the operators to draw from (`+`, `-`, `*`).
+    pub ops: String,
+    /// Countdown: how many numbers.
+    pub numbers: usize,
+    /// Countdown: the numbers are drawn from 1..=max_number.
+    pub max_number: u32,
+    /// JSONL: the training data.
+    pub data: Option<PathBuf>,
+    /// JSONL: held-out data (default: the last lines of `data`).
+    pub heldout_data: Option<PathBuf>,
+}
+
+/// A task.
+#[derive(Debug, Clone)]
+pub enum Task {
+    Arithmetic(Arithmetic),
+    Countdown(Countdown),
+    Jsonl(Jsonl),
+}
+
+impl Task {
+    /// Builds the task a spec names; `heldout` is the held-out set's size (JSONL without a
+    /// held-out file takes its last `heldout` lines).
+    pub fn new(spec: &TaskSpec, heldout: usize) -> anyhow::Result<Task> {
+        match spec.name.as_str() {
+            "arithmetic" => Ok(Task::Arithmetic(Arithmetic::new(spec.digits, &spec.ops)?)),
+            "countdown" => Ok(Task::Countdown(Countdown::new(
+                spec.numbers,
+                spec.max_number,
+            )?)),
+            "jsonl" => {
+                let Some(data) = &spec.data else {
+                    bail!("task `jsonl` needs a dataset: pass --data FILE.jsonl (one {{\"prompt\": ..., \"answer\": ...}} object per line)");
+                };
+                Ok(Task::Jsonl(Jsonl::load(
+                    data,
+                    spec.heldout_data.as_deref(),
+                    heldout,
+                )?))
+            }
+            other => bail!(
+                "unknown task `{other}`; the tasks are {} (jsonl reads --data FILE)",
+                TASK_NAMES.join(", ")
+            ),
+        }
+    }
+
+    /// A short description.
+    pub fn describe(&self) -> String {
+        match self {
+            Task::Arithmetic(t) => t.describe(),
+            Task::Countdown(t) => t.describe(),
+            Task::Jsonl(t) => t.describe(),
+        }
+    }
+
+    /// The tokenizer the task's text needs.
+    pub fn tokenizer(&self) -> Tokenizer {
+        match self {
+            Task::Arithmetic(t) => t.tokenizer(),
+            Task::Countdown(t) => t.tokenizer(),
+            Task::Jsonl(_) => Tokenizer::Bytes,
+        }
+    }
+
+    /// A training example drawn with `rng`.
+    pub fn sample(&self, rng: &mut SplitMix64) -> Example {
+        match self {
+            Task::Arithmetic(t) => t.sample(rng),
+            Task::Countdown(t) => t.sample(rng),
+            Task::Jsonl(t) => t.sample(rng),
+        }
+    }
+
+    /// The held-out set: `n` examples drawn from their own stream of `seed` (procedural
+    /// tasks), or the dataset's held-out lines (JSONL).
+    pub fn heldout(&self, n: usize, seed: u64) -> Vec<Example> {
+        match self {
+            Task::Jsonl(t) => t.heldout().to_vec(),
+            _ => {
+                let mut rng = SplitMix64::for_stream(seed, "heldout");
+                let mut seen = std::collections::HashSet::new();
+                let mut out = Vec::with_capacity(n);
+                // Distinct prompts; a task space smaller than n gives what it has.
+                let mut tries = 0;
+                while out.len() < n && tries < 50 * n.max(1) {
+                    tries += 1;
+                    let ex = self.sample(&mut rng);
+                    if seen.insert(ex.prompt.clone()) {
+                        out.push(ex);
+                    }
+                }
+                out
+            }
+        }
+    }
+
+    /// Whether training may draw `ex`: procedural tasks redraw prompts that are in the
+    /// held-out set.
+    pub fn is_procedural(&self) -> bool {
+        !matches!(self, Task::Jsonl(_))
+    }
+
+    /// The reward of `response` (decoded text, EOS excluded) to `ex`.
+    pub fn reward(&self, ex: &Example, response: &str) -> Reward {
+        match self {
+            Task::Arithmetic(t) => t.reward(ex, response),
+            Task::Countdown(t) => t.reward(ex, response),
+            Task::Jsonl(t) => t.reward(ex, response),
+        }
+    }
+
+    /// The longest prompt this task makes, in characters (bytes for JSONL).
+    pub fn max_prompt_chars(&self) -> usize {
+        match self {
+            Task::Arithmetic(t) => t.max_prompt_chars(),
+            Task::Countdown(t) => t.max_prompt_chars(),
+            Task::Jsonl(t) => t.max_prompt_chars(),
+        }
+    }
+
+    /// The longest solution this task needs, in characters (for the default maximum
+    /// number of new tokens).
+    pub fn max_solution_chars(&self) -> usize {
+        match self {
+            Task::Arithmetic(t) => t.max_solution_chars(),
+            Task::Countdown(t) => t.max_solution_chars(),
+            Task::Jsonl(t) => t.max_solution_chars(),
+        }
+    }
+}

@@ -1,0 +1,1024 @@
+//! `hilore train`: warm start, then GRPO with rollouts, rewards, pre-backward
+//! coefficients and a microbatched actor update under a fidelity policy.
+//!
+//! The run: build the task and its tokenizer; build a decoder (random init, seeded);
+//! warm-start it by supervised fine-tuning on the task's reference solutions; evaluate it on
+//! a held-out set that training never draws from; then for every GRPO step sample `G`
+//! responses to each of `P` prompts with the KV cache, score them, turn rewards into
+//! group-relative advantages, and run `mu` update epochs over the sequences (microbatches
+//! packed by a token budget, each under the `--policy` fidelity plan, backward seeded with
+//! the per-token coefficients `dL/dlogp`, AdamW with gradient clipping); finally evaluate
+//! again and write the summary.
+//!
+//! Every random choice is a pure function of `--seed` and the step (counter-based streams),
+//! so a checkpoint's RNG state is the seed and the next step; with the weights, the
+//! reference weights and the optimizer moments it fixes the rest of the run, and
+//! `--resume` continues bit for bit.
+
+mod checkpoint;
+mod eval;
+mod optimizer;
+mod rollout;
+mod sft;
+mod update;
+
+use crate::common::human_bytes;
+use crate::tasks::{Example, Task, TaskSpec, TASK_NAMES};
+use crate::tokenizer::Tokenizer;
+use anyhow::{bail, Context};
+use candle_core::{Device, Tensor};
+use checkpoint::{Checkpoint, NamedTensor};
+use clap::Args;
+use eval::{evaluate, EvalReport};
+use hilore_models::generate::SamplingConfig;
+use hilore_models::rng::SplitMix64;
+use hilore_models::{plans, Decoder, DecoderConfig};
+use hilore_runtime::grpo::{self, AdvantageNorm, Aggregation, GrpoConfig};
+use hilore_runtime::{Fidelity, Plan};
+use indicatif::{ProgressBar, ProgressStyle};
+use optimizer::{AdamW, AdamWConfig};
+use serde::{Deserialize, Serialize};
+use std::collections::{HashMap, HashSet};
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::time::Instant;
+use update::{actor_update, UpdateSettings};
+
+#[derive(Args, Debug)]
+pub struct TrainArgs {
+    // ----- task
+    /// The task: `arithmetic`, `countdown`, or `jsonl` (a dataset given by --data).
+    #[arg(long, default_value = "arithmetic", help_heading = "Task")]
+    task: String,
+    /// Arithmetic: digits per operand.
+    #[arg(long, default_value_t = 2, help_heading = "Task")]
+    digits: usize,
+    /// Arithmetic: operators to draw from (any of `+-*`).
+    #[arg(long, default_value = "+", help_heading = "Task")]
+    ops: String,
+    /// Countdown: how many numbers per problem.
+    #[arg(long, default_value_t = 3, help_heading = "Task")]
+    numbers: usize,
+    /// Countdown: numbers are drawn from 1..=N.
+    #[arg(long, default_value_t = 9, help_heading = "Task")]
+    max_number: u32,
+    /// JSONL dataset: one `{"prompt": ..., "answer": ...}` object per line; the reward
+    /// compares GSM8K-style final answers (`#### 42`, else the last number).
+    #[arg(long, value_name = "FILE", help_heading = "Task")]
+    data: Option<PathBuf>,
+    /// JSONL held-out set (default: the last --heldout lines of --data).
+    #[arg(long, value_name = "FILE", help_heading = "Task")]
+    heldout_data: Option<PathBuf>,
+    /// Held-out prompts (procedural tasks never train on them).
+    #[arg(long, default_value_t = 400, help_heading = "Task")]
+    heldout: usize,
+    /// Sampled responses per held-out prompt for the sampled accuracy.
+    #[arg(long, default_value_t = 2, help_heading = "Task")]
+    eval_samples: usize,
+
+    // ----- model
+    /// An HF config.json for the policy (random init); default: a small decoder sized by
+    /// the flags below, with the task tokenizer's vocabulary.
+    #[arg(long, value_name = "FILE", help_heading = "Model")]
+    config: Option<PathBuf>,
+    #[arg(long, default_value_t = 2, help_heading = "Model")]
+    layers: usize,
+    #[arg(long, default_value_t = 64, help_heading = "Model")]
+    hidden: usize,
+    #[arg(long, default_value_t = 4, help_heading = "Model")]
+    heads: usize,
+    #[arg(long, default_value_t = 2, help_heading = "Model")]
+    kv_heads: usize,
+    #[arg(long, default_value_t = 176, help_heading = "Model")]
+    intermediate: usize,
+
+    // ----- warm start
+    /// Supervised warm-start steps (0: start GRPO from the random init).
+    #[arg(long, default_value_t = 150, help_heading = "Warm start")]
+    sft_steps: usize,
+    /// Examples per warm-start step.
+    #[arg(long, default_value_t = 64, help_heading = "Warm start")]
+    sft_batch: usize,
+    #[arg(long, default_value_t = 3e-3, help_heading = "Warm start")]
+    sft_lr: f64,
+
+    // ----- GRPO
+    /// GRPO steps (rollout + update).
+    #[arg(long, default_value_t = 40, help_heading = "GRPO")]
+    steps: usize,
+    /// Prompts per step (P).
+    #[arg(long, default_value_t = 32, help_heading = "GRPO")]
+    prompts: usize,
+    /// Responses per prompt (G).
+    #[arg(long, default_value_t = 8, help_heading = "GRPO")]
+    group_size: usize,
+    #[arg(long, default_value_t = 1e-3, help_heading = "GRPO")]
+    lr: f64,
+    /// Update epochs per rollout batch (mu); with 1 and --beta 0 the coefficients are
+    /// known before the forward.
+    #[arg(long, default_value_t = 1, help_heading = "GRPO")]
+    epochs: usize,
+    #[arg(long, default_value_t = 0.2, help_heading = "GRPO")]
+    eps_low: f32,
+    #[arg(long, default_value_t = 0.28, help_heading = "GRPO")]
+    eps_high: f32,
+    /// Weight of the k3 KL to the warm-start policy.
+    #[arg(long, default_value_t = 0.0, help_heading = "GRPO")]
+    beta: f32,
+    /// `group-std` (GRPO) or `none` (Dr. GRPO).
+    #[arg(long, default_value = "group-std", help_heading = "GRPO")]
+    adv_norm: String,
+    /// `token-mean` or `seq-mean-token-mean`.
+    #[arg(long, default_value = "token-mean", help_heading = "GRPO")]
+    aggregation: String,
+    #[arg(long, default_value_t = 1.0, help_heading = "GRPO")]
+    temperature: f64,
+    #[arg(long, default_value_t = 1.0, help_heading = "GRPO")]
+    top_p: f64,
+    /// Most new tokens per response (default: the task's longest solution + EOS).
+    #[arg(long, help_heading = "GRPO")]
+    max_new_tokens: Option<usize>,
+    #[arg(long, default_value_t = 1.0, help_heading = "GRPO")]
+    max_grad_norm: f64,
+    #[arg(long, default_value_t = 0.0, help_heading = "GRPO")]
+    weight_decay: f64,
+
+    // ----- actor update
+    /// Fidelity of every unit in the actor update: `store`, `recompute` (per-layer
+    /// gradient checkpointing) or `compress-<codec>`.
+    #[arg(long, default_value = "store", help_heading = "Actor update")]
+    policy: String,
+    /// Most tokens (rows) per microbatch; one sequence must fit.
+    #[arg(long, default_value_t = 1024, help_heading = "Actor update")]
+    token_budget: usize,
+    /// Skip the forward and backward of sequences with zero exposure (advantage 0 with
+    /// beta 0: exactly zero gradient); they are counted separately in the log.
+    #[arg(long, help_heading = "Actor update")]
+    skip_zero_exposure: bool,
+
+    // ----- run
+    #[arg(long, default_value_t = 0, help_heading = "Run")]
+    seed: u64,
+    /// Append one JSON object per GRPO step to FILE.
+    #[arg(long, value_name = "FILE", help_heading = "Run")]
+    metrics: Option<PathBuf>,
+    /// Write a JSON summary of the run to FILE.
+    #[arg(long, value_name = "FILE", help_heading = "Run")]
+    summary: Option<PathBuf>,
+    /// Checkpoint file (weights, optimizer, RNG state, step), written atomically.
+    #[arg(
+        long,
+        value_name = "FILE",
+        default_value = "hilore-train.ckpt",
+        help_heading = "Run"
+    )]
+    checkpoint: PathBuf,
+    /// Write the checkpoint every N GRPO steps (and after the warm start and at the end).
+    #[arg(long, default_value_t = 10, help_heading = "Run")]
+    checkpoint_every: usize,
+    /// Continue from --checkpoint (same settings required; --steps may grow).
+    #[arg(long, help_heading = "Run")]
+    resume: bool,
+    /// Stop after GRPO step N, after writing the checkpoint, as an interrupted run would.
+    #[arg(long, value_name = "N", help_heading = "Run")]
+    stop_after: Option<usize>,
+    /// No progress bars.
+    #[arg(long, help_heading = "Run")]
+    no_progress: bool,
+}
+
+/// Everything that fixes the run's trajectory; stored in checkpoints and compared on
+/// resume.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+struct RunSettings {
+    task: TaskSpec,
+    heldout: usize,
+    eval_samples: usize,
+    model: DecoderConfig,
+    tokenizer: String,
+    sft_steps: usize,
+    sft_batch: usize,
+    sft_lr: f64,
+    prompts: usize,
+    group_size: usize,
+    grpo: GrpoConfig,
+    adamw: AdamWConfig,
+    temperature: f64,
+    top_p: f64,
+    max_new_tokens: usize,
+    policy: String,
+    token_budget: usize,
+    skip_zero_exposure: bool,
+    seed: u64,
+}
+
+/// The training state a checkpoint carries besides tensors.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct TrainState {
+    /// GRPO steps completed.
+    step: usize,
+    /// Counter-based RNG: every stream is keyed by this seed and a step.
+    rng: RngState,
+    /// Optimizer steps taken.
+    adam_t: u64,
+    warm_start: WarmStart,
+    /// Held-out results after the warm start.
+    before: EvalReport,
+    /// Wall time of all processes of this run so far.
+    seconds_total: f64,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct RngState {
+    kind: String,
+    seed: u64,
+    next_step: usize,
+}
+
+#[derive(Debug, Clone, Copy, Serialize, Deserialize)]
+struct WarmStart {
+    steps: usize,
+    final_loss: f64,
+    seconds: f64,
+    tokens_per_s: f64,
+}
+
+/// One `--metrics` line.
+#[derive(Debug, Clone, Serialize)]
+struct StepMetrics {
+    step: usize,
+    reward_mean: f64,
+    accuracy: f64,
+    response_len_mean: f64,
+    kl: f64,
+    clip_fraction: f64,
+    loss: f64,
+    grad_norm: f64,
+    exposure_total: f64,
+    exposure_max_microbatch: f64,
+    zero_exposure_sequences: usize,
+    skipped_sequences: usize,
+    skipped_tokens: usize,
+    empty_sequences: usize,
+    microbatches: usize,
+    update_tokens: usize,
+    rollout_tokens: usize,
+    peak_activation_bytes: usize,
+    optimizer_state_bytes: usize,
+    logp_mismatch_max: f64,
+    rollout_seconds: f64,
+    rollout_tokens_per_s: f64,
+    update_seconds: f64,
+    update_tokens_per_s: f64,
+    reference_seconds: f64,
+    step_seconds: f64,
+}
+
+/// The `--summary` object.
+#[derive(Debug, Serialize)]
+struct Summary {
+    task: String,
+    model_params: usize,
+    policy: String,
+    seed: u64,
+    steps: usize,
+    resumed_from_step: Option<usize>,
+    /// Wall time of this process.
+    seconds: f64,
+    /// Wall time of every process of this run.
+    seconds_total: f64,
+    warm_start_steps: usize,
+    warm_start_loss: f64,
+    warm_start_seconds: f64,
+    heldout_prompts: usize,
+    /// Sampled accuracy on the held-out set (rollout temperature) after the warm start.
+    heldout_accuracy_before: f64,
+    /// The same after GRPO.
+    heldout_accuracy_after: f64,
+    heldout_greedy_accuracy_before: f64,
+    heldout_greedy_accuracy_after: f64,
+    heldout_reward_mean_before: f64,
+    heldout_reward_mean_after: f64,
+    final_reward_mean: Option<f64>,
+    final_accuracy: Option<f64>,
+    rollout_tokens_per_s: f64,
+    update_tokens_per_s: f64,
+    peak_activation_bytes: usize,
+    optimizer_state_bytes: usize,
+}
+
+fn stream_seed(seed: u64, name: &str) -> u64 {
+    SplitMix64::for_stream(seed, name).next_u64()
+}
+
+/// The fidelity plan of `--policy`.
+fn policy_plan(policy: &str) -> anyhow::Result<Plan> {
+    match policy {
+        "store" => Ok(plans::store_all()),
+        "recompute" => Ok(plans::gradient_checkpointing()),
+        other => match other.strip_prefix("compress-") {
+            Some(codec) => plans::compress_all(codec)
+                .with_context(|| format!("--policy {other}: unknown codec `{codec}`")),
+            None => {
+                // Reuse the runtime's wording of the valid fidelities.
+                let e = Fidelity::parse(other).err();
+                bail!(
+                    "unknown --policy `{other}`; the policies are `store`, `recompute` and `compress-<codec>`{}",
+                    e.map(|e| format!(" ({e})")).unwrap_or_default()
+                )
+            }
+        },
+    }
+}
+
+impl RunSettings {
+    fn from_args(a: &TrainArgs, task: &Task, tokenizer: &Tokenizer) -> anyhow::Result<Self> {
+        let grpo = GrpoConfig {
+            eps_low: a.eps_low,
+            eps_high: a.eps_high,
+            beta: a.beta,
+            advantage_norm: AdvantageNorm::parse(&a.adv_norm).context("--adv-norm")?,
+            std_eps: 1e-4,
+            aggregation: Aggregation::parse(&a.aggregation).context("--aggregation")?,
+            epochs: a.epochs,
+        };
+        grpo.validate().context("GRPO settings")?;
+        let model = match &a.config {
+            Some(p) => {
+                let cfg = DecoderConfig::from_json_file(p)?;
+                if cfg.vocab_size < tokenizer.vocab_size() {
+                    bail!(
+                        "{}: vocab_size {} is smaller than the task tokenizer's {} ids; use a config with vocab_size >= {}",
+                        p.display(),
+                        cfg.vocab_size,
+                        tokenizer.vocab_size(),
+                        tokenizer.vocab_size()
+                    );
+                }
+                cfg
+            }
+            None => {
+                if a.heads == 0 || a.hidden % a.heads != 0 {
+                    bail!(
+                        "--hidden {} is not a multiple of --heads {}; the head size is hidden / heads",
+                        a.hidden,
+                        a.heads
+                    );
+                }
+                let cfg = DecoderConfig {
+                    vocab_size: tokenizer.vocab_size(),
+                    hidden_size: a.hidden,
+                    intermediate_size: a.intermediate,
+                    num_hidden_layers: a.layers,
+                    num_attention_heads: a.heads,
+                    num_key_value_heads: a.kv_heads,
+                    head_dim: a.hidden / a.heads,
+                    ..DecoderConfig::tiny()
+                };
+                cfg.validate().context("model flags")?;
+                cfg
+            }
+        };
+        let positive = [
+            ("--prompts", a.prompts),
+            ("--group-size", a.group_size),
+            ("--sft-batch", a.sft_batch),
+            ("--heldout", a.heldout),
+        ];
+        for (flag, v) in positive {
+            if v == 0 {
+                bail!("{flag} is 0; it must be at least 1");
+            }
+        }
+        for (flag, v) in [("--lr", a.lr), ("--sft-lr", a.sft_lr)] {
+            if !(v.is_finite() && v > 0.0) {
+                bail!("{flag} is {v}; it must be a positive number");
+            }
+        }
+        if a.checkpoint_every == 0 {
+            bail!("--checkpoint-every is 0; it must be at least 1");
+        }
+        let max_new_tokens = a.max_new_tokens.unwrap_or(task.max_solution_chars() + 1);
+        if max_new_tokens == 0 {
+            bail!("--max-new-tokens is 0; responses need at least one token");
+        }
+        Ok(RunSettings {
+            task: spec_of(a),
+            heldout: a.heldout,
+            eval_samples: a.eval_samples,
+            model,
+            tokenizer: tokenizer.describe(),
+            sft_steps: a.sft_steps,
+            sft_batch: a.sft_batch,
+            sft_lr: a.sft_lr,
+            prompts: a.prompts,
+            group_size: a.group_size,
+            grpo,
+            adamw: AdamWConfig {
+                lr: a.lr,
+                beta1: 0.9,
+                beta2: 0.99,
+                eps: 1e-8,
+                weight_decay: a.weight_decay,
+                max_grad_norm: a.max_grad_norm,
+            },
+            temperature: a.temperature,
+            top_p: a.top_p,
+            max_new_tokens,
+            policy: a.policy.clone(),
+            token_budget: a.token_budget,
+            skip_zero_exposure: a.skip_zero_exposure,
+            seed: a.seed,
+        })
+    }
+
+    fn sampling(&self, seed: u64) -> SamplingConfig {
+        SamplingConfig {
+            max_new_tokens: self.max_new_tokens,
+            temperature: self.temperature,
+            top_p: self.top_p,
+            stop_token: Some(crate::tokenizer::EOS),
+            seed,
+        }
+    }
+
+    fn sft_adamw(&self) -> AdamWConfig {
+        AdamWConfig {
+            lr: self.sft_lr,
+            weight_decay: 0.0,
+            ..self.adamw
+        }
+    }
+}
+
+fn spec_of(a: &TrainArgs) -> TaskSpec {
+    TaskSpec {
+        name: a.task.clone(),
+        digits: a.digits,
+        ops: a.ops.clone(),
+        numbers: a.numbers,
+        max_number: a.max_number,
+        data: a.data.clone(),
+        heldout_data: a.heldout_data.clone(),
+    }
+}
+
+/// Paths where two JSON values differ (for a resume with other settings).
+fn json_diff(a: &serde_json::Value, b: &serde_json::Value, path: &str, out: &mut Vec<String>) {
+    match (a, b) {
+        (serde_json::Value::Object(x), serde_json::Value::Object(y)) => {
+            let keys: std::collections::BTreeSet<&String> = x.keys().chain(y.keys()).collect();
+            for k in keys {
+                let null = serde_json::Value::Null;
+                let p = if path.is_empty() {
+                    k.clone()
+                } else {
+                    format!("{path}.{k}")
+                };
+                json_diff(
+                    x.get(k).unwrap_or(&null),
+                    y.get(k).unwrap_or(&null),
+                    &p,
+                    out,
+                );
+            }
+        }
+        _ if a != b => out.push(format!("{path}: checkpoint {a}, now {b}")),
+        _ => {}
+    }
+}
+
+/// Draws the examples of one phase's step: `n` examples from the streams
+/// `(seed, "{phase}-{step}-{i}")`, redrawing procedural prompts that are held out.
+fn draw_examples(
+    task: &Task,
+    seed: u64,
+    phase: &str,
+    step: usize,
+    n: usize,
+    heldout: &HashSet<String>,
+) -> anyhow::Result<Vec<Example>> {
+    (0..n)
+        .map(|i| {
+            let mut rng = SplitMix64::for_stream(seed, &format!("{phase}-{step}-{i}"));
+            for _ in 0..1000 {
+                let ex = task.sample(&mut rng);
+                if !task.is_procedural() || !heldout.contains(&ex.prompt) {
+                    return Ok(ex);
+                }
+            }
+            bail!(
+                "{}: 1000 draws in a row were held-out prompts; the task has too few distinct problems for --heldout {} (lower it, or make the task larger)",
+                task.describe(),
+                heldout.len()
+            )
+        })
+        .collect()
+}
+
+fn bar(len: usize, enabled: bool, prefix: &str) -> ProgressBar {
+    if !enabled {
+        return ProgressBar::hidden();
+    }
+    let pb = ProgressBar::new(len as u64);
+    if let Ok(style) = ProgressStyle::with_template(
+        "{prefix:>10} [{bar:30}] {pos}/{len} {msg} ({elapsed}, eta {eta})",
+    ) {
+        pb.set_style(style.progress_chars("=> "));
+    }
+    pb.set_prefix(prefix.to_string());
+    pb
+}
+
+fn params_to_tensors(prefix: &str, model: &Decoder) -> anyhow::Result<Vec<NamedTensor>> {
+    model
+        .named_params()
+        .into_iter()
+        .map(|(name, v)| {
+            Ok(NamedTensor {
+                name: format!("{prefix}/{name}"),
+                shape: v.dims().to_vec(),
+                data: v.tensor().flatten_all()?.to_vec1::<f32>()?,
+            })
+        })
+        .collect()
+}
+
+fn model_from_checkpoint(
+    ck: &Checkpoint,
+    prefix: &str,
+    cfg: &DecoderConfig,
+    device: &Device,
+) -> anyhow::Result<Decoder> {
+    let mut map = HashMap::new();
+    for t in &ck.tensors {
+        if let Some(name) = t
+            .name
+            .strip_prefix(prefix)
+            .and_then(|n| n.strip_prefix('/'))
+        {
+            map.insert(
+                name.to_string(),
+                Tensor::from_vec(t.data.clone(), t.shape.clone(), device)?,
+            );
+        }
+    }
+    Ok(Decoder::from_tensors(cfg, &map)?)
+}
+
+struct Run {
+    settings: RunSettings,
+    state: TrainState,
+    model: Decoder,
+    reference: Decoder,
+    opt: AdamW,
+}
+
+impl Run {
+    fn save(&self, path: &Path) -> anyhow::Result<()> {
+        let mut tensors = params_to_tensors("model", &self.model)?;
+        tensors.extend(params_to_tensors("reference", &self.reference)?);
+        for (name, m, v) in &self.opt.state {
+            let shape = vec![m.len()];
+            tensors.push(NamedTensor {
+                name: format!("adam.m/{name}"),
+                shape: shape.clone(),
+                data: m.clone(),
+            });
+            tensors.push(NamedTensor {
+                name: format!("adam.v/{name}"),
+                shape,
+                data: v.clone(),
+            });
+        }
+        let mut state = self.state.clone();
+        state.adam_t = self.opt.t;
+        state.rng.next_step = state.step;
+        Checkpoint {
+            run: serde_json::to_value(&self.settings)?,
+            state: serde_json::to_value(&state)?,
+            tensors,
+        }
+        .save_atomic(path)
+    }
+
+    fn load(path: &Path, settings: RunSettings, device: &Device) -> anyhow::Result<Self> {
+        let ck = Checkpoint::load(path)?;
+        let now = serde_json::to_value(&settings)?;
+        let mut diffs = Vec::new();
+        json_diff(&ck.run, &now, "", &mut diffs);
+        if !diffs.is_empty() {
+            bail!(
+                "cannot resume from {}: it was written with other settings ({}); pass the same flags as the run that wrote it",
+                path.display(),
+                diffs.join("; ")
+            );
+        }
+        let state: TrainState = serde_json::from_value(ck.state.clone())
+            .with_context(|| format!("checkpoint {} has a corrupt state", path.display()))?;
+        let model = model_from_checkpoint(&ck, "model", &settings.model, device)?;
+        let reference = model_from_checkpoint(&ck, "reference", &settings.model, device)?;
+        let mut opt = AdamW::new(settings.adamw, &model);
+        opt.t = state.adam_t;
+        for (name, m, v) in &mut opt.state {
+            *m = ck.tensor(&format!("adam.m/{name}"))?.data.clone();
+            *v = ck.tensor(&format!("adam.v/{name}"))?.data.clone();
+        }
+        Ok(Run {
+            settings,
+            state,
+            model,
+            reference,
+            opt,
+        })
+    }
+}
+
+/// Keeps the metrics lines of steps `<= step` (a resumed run rewrites what came after).
+fn truncate_metrics(path: &Path, step: usize) -> anyhow::Result<()> {
+    let Ok(text) = std::fs::read_to_string(path) else {
+        return Ok(());
+    };
+    let kept: Vec<&str> = text
+        .lines()
+        .filter(|l| {
+            serde_json::from_str::<serde_json::Value>(l)
+                .ok()
+                .and_then(|v| v.get("step").and_then(|s| s.as_u64()))
+                .is_some_and(|s| s as usize <= step)
+        })
+        .collect();
+    let mut out = kept.join("\n");
+    if !out.is_empty() {
+        out.push('\n');
+    }
+    std::fs::write(path, out).with_context(|| format!("rewriting metrics {}", path.display()))
+}
+
+pub fn run(args: TrainArgs) -> anyhow::Result<ExitCode> {
+    let t_start = Instant::now();
+    let device = Device::Cpu;
+    if !TASK_NAMES.contains(&args.task.as_str()) {
+        bail!(
+            "unknown task `{}`; the tasks are {} (jsonl reads --data FILE)",
+            args.task,
+            TASK_NAMES.join(", ")
+        );
+    }
+    let task = Task::new(&spec_of(&args), args.heldout)?;
+    let tokenizer = task.tokenizer();
+    let settings = RunSettings::from_args(&args, &task, &tokenizer)?;
+    let plan = policy_plan(&settings.policy)?;
+    let heldout = task.heldout(settings.heldout, settings.seed);
+    if heldout.is_empty() {
+        bail!("the held-out set is empty; raise --heldout");
+    }
+    let heldout_prompts: HashSet<String> = heldout.iter().map(|e| e.prompt.clone()).collect();
+    // An impossible budget is an error before any work: the longest sequence a step can
+    // make must fit one microbatch.
+    let longest_prompt = heldout
+        .iter()
+        .map(|e| e.prompt.len())
+        .max()
+        .unwrap_or(0)
+        .max(task.max_prompt_chars());
+    let longest = 1 + longest_prompt + settings.max_new_tokens.max(task.max_solution_chars() + 1);
+    if settings.token_budget < longest - 1 {
+        bail!(
+            "--token-budget {} is smaller than one sequence: the longest prompt + response is {} tokens ({} rows); raise --token-budget to at least {}",
+            settings.token_budget,
+            longest,
+            longest - 1,
+            longest - 1
+        );
+    }
+    let positions = longest;
+    if positions > settings.model.max_position_embeddings {
+        bail!(
+            "sequences need {positions} positions, more than the model's max_position_embeddings = {}",
+            settings.model.max_position_embeddings
+        );
+    }
+    let progress = !args.no_progress;
+    let eval_sampling = settings.sampling(stream_seed(settings.seed, "eval"));
+    println!(
+        "task {} | policy {} | seed {} | {} held-out prompts",
+        task.describe(),
+        plan.name(),
+        settings.seed,
+        heldout.len()
+    );
+
+    let (mut run, resumed_from) = if args.resume {
+        let run = Run::load(&args.checkpoint, settings.clone(), &device)?;
+        println!(
+            "resumed from {} at step {}",
+            args.checkpoint.display(),
+            run.state.step
+        );
+        if let Some(m) = &args.metrics {
+            truncate_metrics(m, run.state.step)?;
+        }
+        let step = run.state.step;
+        (run, Some(step))
+    } else {
+        let mut model = Decoder::random(&settings.model, settings.seed, &device)?;
+        println!(
+            "model: {} layers, hidden {}, {} heads ({} kv), vocab {}, {} parameters",
+            settings.model.num_hidden_layers,
+            settings.model.hidden_size,
+            settings.model.num_attention_heads,
+            settings.model.num_key_value_heads,
+            settings.model.vocab_size,
+            model.num_params()
+        );
+        let t = Instant::now();
+        let mut sft_opt = AdamW::new(settings.sft_adamw(), &model);
+        let pb = bar(settings.sft_steps, progress, "warm start");
+        let (mut final_loss, mut tokens) = (f64::NAN, 0usize);
+        for s in 0..settings.sft_steps {
+            let exs = draw_examples(
+                &task,
+                settings.seed,
+                "sft",
+                s,
+                settings.sft_batch,
+                &heldout_prompts,
+            )?;
+            let r = sft::sft_step(
+                &mut model,
+                &mut sft_opt,
+                &tokenizer,
+                &exs,
+                settings.token_budget,
+                &plan,
+            )?;
+            final_loss = r.loss;
+            tokens += r.tokens;
+            pb.set_message(format!("loss {:.4}", r.loss));
+            pb.inc(1);
+        }
+        pb.finish_and_clear();
+        let seconds = t.elapsed().as_secs_f64();
+        let warm_start = WarmStart {
+            steps: settings.sft_steps,
+            final_loss,
+            seconds,
+            tokens_per_s: tokens as f64 / seconds.max(1e-9),
+        };
+        println!(
+            "warm start: {} steps, loss {:.4}, {:.1}s ({:.0} tok/s)",
+            warm_start.steps, warm_start.final_loss, warm_start.seconds, warm_start.tokens_per_s
+        );
+        let before = evaluate(
+            &model,
+            &task,
+            &tokenizer,
+            &heldout,
+            &eval_sampling,
+            settings.eval_samples,
+        )?;
+        println!(
+            "held-out after warm start: accuracy {:.3} (sampled, T={}), greedy {:.3}, reward {:.3}",
+            before.accuracy, settings.temperature, before.greedy_accuracy, before.reward_mean
+        );
+        let reference = model_copy(&model, &settings.model)?;
+        let opt = AdamW::new(settings.adamw, &model);
+        let run = Run {
+            state: TrainState {
+                step: 0,
+                rng: RngState {
+                    kind: "counter-based splitmix64 streams keyed by (seed, phase, step)".into(),
+                    seed: settings.seed,
+                    next_step: 0,
+                },
+                adam_t: 0,
+                warm_start,
+                before,
+                seconds_total: 0.0,
+            },
+            settings: settings.clone(),
+            model,
+            reference,
+            opt,
+        };
+        if let Some(m) = &args.metrics {
+            std::fs::write(m, "")
+                .with_context(|| format!("creating metrics file {}", m.display()))?;
+        }
+        let mut run = run;
+        run.state.seconds_total = t_start.elapsed().as_secs_f64();
+        run.save(&args.checkpoint)?;
+        (run, None)
+    };
+    let seconds_before = run.state.seconds_total;
+
+    let upd = UpdateSettings {
+        grpo: settings.grpo,
+        token_budget: settings.token_budget,
+        plan: plan.clone(),
+        skip_zero_exposure: settings.skip_zero_exposure,
+    };
+    let mut metrics_file = match &args.metrics {
+        Some(p) => Some(
+            std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(p)
+                .with_context(|| format!("opening metrics file {}", p.display()))?,
+        ),
+        None => None,
+    };
+    let total_steps = args.steps;
+    let pb = bar(total_steps, progress, "grpo");
+    pb.set_position(run.state.step.min(total_steps) as u64);
+    let (mut rollout_tps, mut update_tps, mut peak) = (Vec::new(), Vec::new(), 0usize);
+    let mut last: Option<StepMetrics> = None;
+    while run.state.step < total_steps {
+        let step = run.state.step;
+        let t_step = Instant::now();
+        let examples = draw_examples(
+            &task,
+            settings.seed,
+            "grpo",
+            step,
+            settings.prompts,
+            &heldout_prompts,
+        )?;
+        let sampling =
+            settings.sampling(stream_seed(settings.seed, &format!("grpo-sample-{step}")));
+        let ro = rollout::rollout(
+            &run.model,
+            &task,
+            &tokenizer,
+            examples,
+            settings.group_size,
+            &sampling,
+        )?;
+        let adv = grpo::advantages(
+            &ro.rewards,
+            settings.group_size,
+            settings.grpo.advantage_norm,
+            settings.grpo.std_eps,
+        )?;
+        let rep = actor_update(
+            &mut run.model,
+            Some(&run.reference),
+            &mut run.opt,
+            &ro,
+            &adv,
+            &upd,
+        )?;
+        run.state.step += 1;
+        let m = StepMetrics {
+            step: run.state.step,
+            reward_mean: ro.reward_mean(),
+            accuracy: ro.accuracy(),
+            response_len_mean: ro.response_len_mean(),
+            kl: rep.stats.kl_mean(),
+            clip_fraction: rep.stats.clip_fraction(),
+            loss: rep.stats.loss / settings.grpo.epochs as f64,
+            grad_norm: rep.grad_norm,
+            exposure_total: rep.exposure_total,
+            exposure_max_microbatch: rep.exposure_max_microbatch,
+            zero_exposure_sequences: rep.zero_exposure_sequences,
+            skipped_sequences: rep.skipped_sequences,
+            skipped_tokens: rep.skipped_tokens,
+            empty_sequences: rep.empty_sequences,
+            microbatches: rep.microbatches,
+            update_tokens: rep.update_tokens,
+            rollout_tokens: ro.generated_tokens(),
+            peak_activation_bytes: rep.peak_activation_bytes,
+            optimizer_state_bytes: run.opt.optimizer_state_bytes(),
+            logp_mismatch_max: rep.logp_mismatch_max,
+            rollout_seconds: ro.seconds,
+            rollout_tokens_per_s: ro.generated_tokens() as f64 / ro.seconds.max(1e-9),
+            update_seconds: rep.seconds,
+            update_tokens_per_s: rep.update_tokens as f64 / rep.seconds.max(1e-9),
+            reference_seconds: rep.reference_seconds,
+            step_seconds: t_step.elapsed().as_secs_f64(),
+        };
+        rollout_tps.push(m.rollout_tokens_per_s);
+        update_tps.push(m.update_tokens_per_s);
+        peak = peak.max(m.peak_activation_bytes);
+        let line = format!(
+            "step {:>4}/{total_steps}  reward {:.3}  acc {:.3}  len {:.2}  kl {:.4}  clip {:.3}  |g| {:.3}  rollout {:>6.0} tok/s  update {:>6.0} tok/s  peak act {}{}",
+            m.step,
+            m.reward_mean,
+            m.accuracy,
+            m.response_len_mean,
+            m.kl,
+            m.clip_fraction,
+            m.grad_norm,
+            m.rollout_tokens_per_s,
+            m.update_tokens_per_s,
+            human_bytes(m.peak_activation_bytes),
+            if settings.skip_zero_exposure {
+                format!("  skipped {} seq / {} tok", m.skipped_sequences, m.skipped_tokens)
+            } else {
+                format!("  zero-exposure {} seq", m.zero_exposure_sequences)
+            }
+        );
+        pb.suspend(|| println!("{line}"));
+        pb.set_message(format!("reward {:.3}", m.reward_mean));
+        pb.inc(1);
+        if let Some(f) = &mut metrics_file {
+            writeln!(f, "{}", serde_json::to_string(&m)?)?;
+            f.flush()?;
+        }
+        last = Some(m);
+        let stop = args.stop_after == Some(run.state.step);
+        if run.state.step % args.checkpoint_every == 0 || run.state.step == total_steps || stop {
+            run.state.seconds_total = seconds_before + t_start.elapsed().as_secs_f64();
+            run.save(&args.checkpoint)?;
+        }
+        if stop {
+            pb.finish_and_clear();
+            println!(
+                "stopped after step {}; continue with --resume (checkpoint {})",
+                run.state.step,
+                args.checkpoint.display()
+            );
+            return Ok(ExitCode::SUCCESS);
+        }
+    }
+    pb.finish_and_clear();
+    let after = evaluate(
+        &run.model,
+        &task,
+        &tokenizer,
+        &heldout,
+        &eval_sampling,
+        settings.eval_samples,
+    )?;
+    let before = run.state.before;
+    println!(
+        "held-out accuracy: {:.3} -> {:.3} (sampled, T={}), greedy {:.3} -> {:.3}, reward {:.3} -> {:.3}",
+        before.accuracy,
+        after.accuracy,
+        settings.temperature,
+        before.greedy_accuracy,
+        after.greedy_accuracy,
+        before.reward_mean,
+        after.reward_mean
+    );
+    let mean = |v: &[f64]| {
+        if v.is_empty() {
+            0.0
+        } else {
+            v.iter().sum::<f64>() / v.len() as f64
+        }
+    };
+    let seconds = t_start.elapsed().as_secs_f64();
+    let summary = Summary {
+        task: task.describe(),
+        model_params: run.model.num_params(),
+        policy: plan.name().to_string(),
+        seed: settings.seed,
+        steps: run.state.step,
+        resumed_from_step: resumed_from,
+        seconds,
+        seconds_total: seconds_before + seconds,
+        warm_start_steps: run.state.warm_start.steps,
+        warm_start_loss: run.state.warm_start.final_loss,
+        warm_start_seconds: run.state.warm_start.seconds,
+        heldout_prompts: heldout.len(),
+        heldout_accuracy_before: before.accuracy,
+        heldout_accuracy_after: after.accuracy,
+        heldout_greedy_accuracy_before: before.greedy_accuracy,
+        heldout_greedy_accuracy_after: after.greedy_accuracy,
+        heldout_reward_mean_before: before.reward_mean,
+        heldout_reward_mean_after: after.reward_mean,
+        final_reward_mean: last.as_ref().map(|m| m.reward_mean),
+        final_accuracy: last.as_ref().map(|m| m.accuracy),
+        rollout_tokens_per_s: mean(&rollout_tps),
+        update_tokens_per_s: mean(&update_tps),
+        peak_activation_bytes: peak,
+        optimizer_state_bytes: run.opt.optimizer_state_bytes(),
+    };
+    println!(
+        "done: {} steps in {:.1}s; rollout {:.0} tok/s, update {:.0} tok/s, peak activations {}, optimizer state {}",
+        summary.steps,
+        summary.seconds,
+        summary.rollout_tokens_per_s,
+        summary.update_tokens_per_s,
+        human_bytes(summary.peak_activation_bytes),
+        human_bytes(summary.optimizer_state_bytes)
+    );
+    if let Some(p) = &args.summary {
+        std::fs::write(p, serde_json::to_string_pretty(&summary)? + "\n")
+            .with_context(|| format!("writing summary {}", p.display()))?;
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// A separate copy of `model`'s weights (the frozen reference policy).
+fn model_copy(model: &Decoder, cfg: &DecoderConfig) -> anyhow::Result<Decoder> {
+    let map: HashMap<String, Tensor> = model
+        .named_params()
+        .into_iter()
+        .map(|(n, v)| Ok((n, v.tensor().copy()?)))
+        .collect::<anyhow::Result<_>>()?;
+    Ok(Decoder::from_tensors(cfg, &map)?)
+}
