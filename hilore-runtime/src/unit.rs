@@ -212,6 +212,11 @@ impl ReplayOwned for crate::ops::RopeTables {
 }
 
 /// What a unit returns: the tape values it produced.
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` cannot be the output of a recovery unit",
+    label = "not tape values",
+    note = "return `Result<T>` with `T` a `Var`, a `Vec<Var>` or a tuple of them: recompute checks that the re-run reproduces them bit for bit"
+)]
 pub trait UnitOutput {
     /// The output tensors (fingerprinted to check that a recompute is bit-identical).
     fn output_tensors(&self, out: &mut Vec<Tensor>);
@@ -264,6 +269,10 @@ into_cost!(usize, u64, u32, i64, i32, f64, f32);
 /// The recompute closure a Recompute unit keeps: re-runs the body on the captured inputs.
 pub(crate) type Recompute<'m> = Rc<dyn Fn(&mut Cx<'m>) -> Result<Vec<Tensor>> + 'm>;
 
+/// A unit's body, as `run_unit` takes it: re-runnable on the tape it is given.
+#[doc(hidden)]
+pub type UnitBody<'m, T, E> = Rc<dyn Fn(&mut Cx<'m>) -> std::result::Result<T, E> + 'm>;
+
 /// Runs one recovery unit: opens its scope, runs the body, closes the scope (applying the
 /// plan's fidelity). What `#[recovery_unit]` expands to; not for direct use.
 #[doc(hidden)]
@@ -272,7 +281,7 @@ pub fn run_unit<'m, T, E>(
     desc: &'static UnitDescriptor,
     cost: Result<f64>,
     inputs: Vec<Var>,
-    body: Rc<dyn Fn(&mut Cx<'m>) -> std::result::Result<T, E> + 'm>,
+    body: UnitBody<'m, T, E>,
 ) -> std::result::Result<T, E>
 where
     T: UnitOutput + 'm,
