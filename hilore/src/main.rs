@@ -1,10 +1,12 @@
 //! `hilore`: activation-memory management for the GRPO actor update.
 
 mod alloc;
+mod bench;
 mod bench_tape;
 mod check;
 mod codecs;
 mod common;
+mod plot;
 mod tasks;
 mod tokenizer;
 mod train;
@@ -46,6 +48,11 @@ enum Command {
     /// data, compression ratio, encode and decode bandwidth against a copy of the same
     /// bytes.
     Codecs(codecs::CodecsArgs),
+    /// Compare HiLoRe with the baselines (store-all, full recompute, selective recompute,
+    /// budgeted recompute, compress-all, Adacc-style) on the same model, GRPO batches and
+    /// seeds, interleaved, under one memory budget: throughput, peak memory (predicted and
+    /// measured), gradient error, time split; `--budgets` sweeps the budget.
+    Bench(Box<bench::BenchArgs>),
     /// Train a policy with GRPO on a task with verifiable rewards: warm start by supervised
     /// fine-tuning, then rollouts with a KV cache, rewards, group-relative advantages and
     /// a microbatched actor update under a fidelity policy; held-out accuracy before and
@@ -60,6 +67,7 @@ fn main() -> ExitCode {
         Command::Check(a) => check::run(a),
         Command::BenchTape(a) => bench_tape::run(a),
         Command::Codecs(a) => codecs::run(a),
+        Command::Bench(a) => bench::run(*a),
         Command::Train(a) => train::run(*a),
     };
     match result {

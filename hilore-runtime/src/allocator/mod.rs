@@ -30,12 +30,14 @@
 //! ```
 
 pub mod budget;
+pub mod calibrate;
 pub mod costs;
 mod planner;
 pub mod risk;
 pub mod solver;
 
 pub use budget::{MemoryBudget, StateBytes, DEFAULT_BUDGET_FACTOR};
+pub use calibrate::{calibrate, microbatch_input, CalibrationReport, PassResult, Runner};
 pub use costs::{CostModel, MicrobatchShape};
 pub use planner::{Allocator, Decision, MicrobatchInput, Offer};
 pub use risk::{RiskModel, DEFAULT_TARGET_REL_L2};

@@ -185,6 +185,11 @@ impl Allocator {
         &self.instances
     }
 
+    /// The cost-expression value of instance `i` in the profiled pass.
+    pub fn cost_at_profile(&self, i: usize) -> f64 {
+        self.costs_at_profile[i]
+    }
+
     /// The descriptor of instance `i`.
     pub fn descriptor(&self, i: usize) -> &'static UnitDescriptor {
         self.descs[i]

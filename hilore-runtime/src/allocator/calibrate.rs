@@ -1,0 +1,175 @@
+//! Calibration: measure recompute and codec times and the per-unit sensitivity `kappa`
+//! on real passes, through a [`Runner`] that runs one microbatch under a plan.
+//!
+//! - Recompute time: for every unit that may be recomputed, one pass with every instance
+//!   of that unit recomputed; the tape's recompute time divided by the instance count is
+//!   one sample of the unit's fit (at that microbatch's shape).
+//! - Codec time and `kappa`: for every unit with activation slots and every codec, one
+//!   pass with every instance of the unit compressed; the tape's encode / decode times
+//!   over the values encoded give the codec's rates, and the parameter-gradient error
+//!   against the exact (store-all) gradient, divided by the exposure and shared equally
+//!   among the unit's instances, gives `kappa` of each instance (so the summed risk of
+//!   that calibration plan equals its measured error).
+//! - The gradient-norm scale: `||sum of exact gradients|| / sum of exposures` over the
+//!   calibration microbatches.
+
+use super::costs::MicrobatchShape;
+use super::planner::{Allocator, MicrobatchInput};
+use super::risk::grad_error;
+use crate::{Fidelity, Plan, Result, TapeTimes};
+use std::collections::BTreeMap;
+
+/// What one pass gives back.
+#[derive(Debug, Clone)]
+pub struct PassResult {
+    /// Every parameter gradient, flattened and concatenated in a fixed order.
+    pub grads: Vec<f32>,
+    /// The tape's time split.
+    pub times: TapeTimes,
+    /// Forward seconds.
+    pub forward_seconds: f64,
+}
+
+/// Runs microbatch `mb` (an index into the calibration set) under `plan`.
+pub trait Runner {
+    /// One forward + backward.
+    fn run(&mut self, mb: usize, plan: &Plan) -> Result<PassResult>;
+}
+
+/// What calibration measured (for reports).
+#[derive(Debug, Clone, Default, serde::Serialize)]
+pub struct CalibrationReport {
+    /// (unit, codec, measured error norm, exposure, instances).
+    pub compress_errors: Vec<(String, String, f64, f64, usize)>,
+    /// (unit, microbatch, seconds per instance).
+    pub recompute_seconds: Vec<(String, usize, f64)>,
+    /// Passes run.
+    pub passes: usize,
+}
+
+/// Calibrates `alloc`'s cost and risk models. `mbs` are the calibration microbatches
+/// (their shapes should differ in squared lengths so the attention fit is determined);
+/// `kappa_mb` is the one whose passes calibrate `kappa` and the codecs; `codecs` the
+/// codecs to calibrate. `progress` is called after every pass.
+pub fn calibrate(
+    alloc: &mut Allocator,
+    runner: &mut dyn Runner,
+    mbs: &[MicrobatchInput],
+    kappa_mb: usize,
+    codecs: &[&'static str],
+    progress: &mut dyn FnMut(&str),
+) -> Result<CalibrationReport> {
+    let mut report = CalibrationReport::default();
+    // Units by name, with their instances and what they offer.
+    let mut units: BTreeMap<&'static str, Vec<usize>> = BTreeMap::new();
+    for (i, b) in alloc.instances().iter().enumerate() {
+        units.entry(b.unit).or_default().push(i);
+    }
+    let mut exact = Vec::with_capacity(mbs.len());
+    let mut sum_grad: Vec<f64> = Vec::new();
+    let mut fwd = 0.0;
+    for (m, _) in mbs.iter().enumerate() {
+        let r = runner.run(m, &Plan::store_all())?;
+        report.passes += 1;
+        progress("exact");
+        fwd += r.forward_seconds;
+        if sum_grad.is_empty() {
+            sum_grad = vec![0.0; r.grads.len()];
+        }
+        for (s, g) in sum_grad.iter_mut().zip(&r.grads) {
+            *s += *g as f64;
+        }
+        exact.push(r.grads);
+    }
+    let total_exposure: f64 = mbs.iter().map(|m| m.exposure).sum();
+    let norm = sum_grad.iter().map(|g| g * g).sum::<f64>().sqrt();
+    if total_exposure > 0.0 {
+        alloc.risk.grad_norm_per_exposure = Some(norm / total_exposure);
+    }
+    // Prior: forward seconds per unit of cost expression (top-level instances only, so
+    // nested costs are not counted twice).
+    let top_cost: f64 = alloc
+        .groups()
+        .iter()
+        .map(|(t, _)| alloc.cost_at_profile(*t))
+        .sum();
+    alloc
+        .costs
+        .set_prior(fwd / mbs.len().max(1) as f64, top_cost);
+
+    for (&unit, idx) in &units {
+        let d = alloc.descriptor(idx[0]);
+        if !d.offers(Fidelity::Recompute) {
+            continue;
+        }
+        for (m, mb) in mbs.iter().enumerate() {
+            let plan = Plan::store_all()
+                .with_unit(unit, Fidelity::Recompute)
+                .named(format!("calibrate recompute {unit}"));
+            let r = runner.run(m, &plan)?;
+            report.passes += 1;
+            progress(unit);
+            let per = r.times.recompute.as_secs_f64() / idx.len() as f64;
+            alloc.costs.observe_recompute(unit, mb.shape, per);
+            report.recompute_seconds.push((unit.to_string(), m, per));
+        }
+    }
+    let kmb = &mbs[kappa_mb];
+    for (&unit, idx) in &units {
+        let values: usize = idx
+            .iter()
+            .map(|&i| alloc.instances()[i].own_act_elems.iter().sum::<usize>())
+            .sum();
+        if values == 0 {
+            continue;
+        }
+        for &codec in codecs {
+            let f = Fidelity::Compress(codec);
+            if !alloc.descriptor(idx[0]).offers(f) {
+                continue;
+            }
+            let plan = Plan::store_all()
+                .with_unit(unit, f)
+                .named(format!("calibrate {unit} {codec}"));
+            let r = runner.run(kappa_mb, &plan)?;
+            report.passes += 1;
+            progress(unit);
+            alloc.costs.observe_codec(
+                codec,
+                values,
+                r.times.encode.as_secs_f64(),
+                r.times.decode.as_secs_f64(),
+            );
+            let (err, _, _) = grad_error(&r.grads, &exact[kappa_mb]);
+            report.compress_errors.push((
+                unit.to_string(),
+                codec.to_string(),
+                err,
+                kmb.exposure,
+                idx.len(),
+            ));
+            let kappa = if kmb.exposure > 0.0 {
+                err / kmb.exposure / idx.len() as f64
+            } else {
+                0.0
+            };
+            for &i in idx {
+                let b = &alloc.instances()[i];
+                let (u, c) = (b.unit, b.call);
+                alloc.risk.set_kappa(u, c, codec, kappa);
+            }
+        }
+    }
+    Ok(report)
+}
+
+/// The shape and exposure of a microbatch from its packing offsets and coefficients.
+pub fn microbatch_input(packing: &crate::Packing, coefficients: &[f32]) -> MicrobatchInput {
+    let exposure = super::risk::sequence_exposure(coefficients, packing.offsets())
+        .iter()
+        .sum();
+    MicrobatchInput {
+        shape: MicrobatchShape::of(packing),
+        exposure,
+    }
+}

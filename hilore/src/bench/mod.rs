@@ -1,0 +1,1188 @@
+//! `hilore bench`: HiLoRe against the baselines on the same model, batches, seeds, tape
+//! and kernels, under the same memory budget.
+//!
+//! Phases: (1) draw a GRPO-like step (the measured one) and a calibration step; (2)
+//! profile one store-all pass (the simulator's record) and build the allocator; (3)
+//! calibrate recompute / codec times and `kappa` on the calibration step; (4) plan every
+//! policy; (5) run the policies interleaved (every microbatch of policy A, of B, ..., then
+//! again), several repetitions; (6) optionally sweep the memory budget and the risk
+//! target; (7) print the table, write JSON and SVG charts.
+
+mod workload;
+
+use crate::alloc;
+use crate::common::human_bytes;
+use crate::plot::{Chart, Scale, Series};
+use anyhow::Context;
+use candle_core::{DType, Device};
+use clap::Args;
+use hilore_models::baselines;
+use hilore_models::{Decoder, DecoderConfig};
+use hilore_runtime::allocator::{
+    calibrate, risk::grad_error, Allocator, MemoryBudget, MicrobatchInput, Offer, PassResult,
+    Runner, StateBytes, DEFAULT_TARGET_REL_L2,
+};
+use hilore_runtime::{Cx, Grads, MemoryEvent, Plan, TapeTimes};
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use serde::Serialize;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Instant;
+use workload::{grpo_step, Microbatch, StepSpec};
+
+#[derive(Args)]
+pub struct BenchArgs {
+    /// An HF `config.json` for the model (random weights). Default: the built-in benchmark
+    /// decoder (4 layers, hidden 256, MLP 704, 8 query / 2 key-value heads, vocabulary
+    /// 2048).
+    #[arg(long, value_name = "FILE")]
+    config: Option<PathBuf>,
+    /// Rows (tokens) of every microbatch.
+    #[arg(long, default_value_t = 1280)]
+    rows: usize,
+    /// Prompts per GRPO step.
+    #[arg(long, default_value_t = 4)]
+    prompts: usize,
+    /// Responses per prompt.
+    #[arg(long, default_value_t = 8)]
+    group: usize,
+    /// Interleaved repetitions of the main comparison (the median is reported).
+    #[arg(long, default_value_t = 3)]
+    reps: usize,
+    /// Seed of weights and batches.
+    #[arg(long, default_value_t = 7)]
+    seed: u64,
+    /// Memory budget on the whole actor-update peak: a factor of full recompute's peak
+    /// (`1.1`) or bytes (`300MiB`).
+    #[arg(long, default_value = "1.1")]
+    budget: String,
+    /// Target relative L2 error of the step's gradient (sets the risk budget).
+    #[arg(long, default_value_t = DEFAULT_TARGET_REL_L2)]
+    target_rel_l2: f64,
+    /// Codecs the allocators may use.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "bf16,fp8-e4m3-b32,int4-g32"
+    )]
+    codecs: Vec<String>,
+    /// Budget factors to sweep (e.g. `1.0,1.05,1.1,1.25,1.5,2`): a Pareto chart of
+    /// throughput against memory for every policy.
+    #[arg(long, value_delimiter = ',')]
+    budgets: Vec<f64>,
+    /// Risk targets (relative L2) to sweep for HiLoRe and the Adacc-style policy at the
+    /// main budget: time against measured gradient error.
+    #[arg(long, value_delimiter = ',', default_value = "0.003,0.03")]
+    risk_targets: Vec<f64>,
+    /// Repetitions of each sweep point.
+    #[arg(long, default_value_t = 1)]
+    sweep_reps: usize,
+    /// Write the results as JSON to FILE.
+    #[arg(long, value_name = "FILE")]
+    json: Option<PathBuf>,
+    /// Write SVG charts into DIR.
+    #[arg(long, value_name = "DIR")]
+    plot: Option<PathBuf>,
+    /// No progress bars.
+    #[arg(long)]
+    quiet: bool,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "kebab-case")]
+enum Kind {
+    StoreAll,
+    Gc,
+    Selective,
+    BudgetedRecompute,
+    CompressAll,
+    AdaccStyle,
+    Hilore,
+}
+
+impl Kind {
+    const ALL: [Kind; 7] = [
+        Kind::StoreAll,
+        Kind::Gc,
+        Kind::Selective,
+        Kind::BudgetedRecompute,
+        Kind::CompressAll,
+        Kind::AdaccStyle,
+        Kind::Hilore,
+    ];
+
+    fn name(self) -> &'static str {
+        match self {
+            Kind::StoreAll => "store-all",
+            Kind::Gc => "full-recompute (GC)",
+            Kind::Selective => "selective (Megatron)",
+            Kind::BudgetedRecompute => "budgeted-recompute",
+            Kind::CompressAll => "compress-all (fp8)",
+            Kind::AdaccStyle => "adacc-style",
+            Kind::Hilore => "hilore",
+        }
+    }
+
+    fn budgeted(self) -> bool {
+        matches!(
+            self,
+            Kind::Selective | Kind::BudgetedRecompute | Kind::AdaccStyle | Kind::Hilore
+        )
+    }
+}
+
+/// Plans of one policy for every microbatch.
+struct Planned {
+    plans: Vec<Plan>,
+    predicted_activation: Vec<usize>,
+    predicted_risk: Vec<Option<f64>>,
+    solve_seconds: f64,
+    note: String,
+}
+
+struct Ctx<'a> {
+    alloc: &'a Allocator,
+    mbs: &'a [Microbatch],
+    num_layers: usize,
+    codecs: Vec<&'static str>,
+}
+
+impl Ctx<'_> {
+    fn fixed(&self, plan: Plan) -> anyhow::Result<Planned> {
+        let p = self.alloc.simulate_peak(&plan)?;
+        Ok(Planned {
+            plans: vec![plan; self.mbs.len()],
+            predicted_activation: vec![p; self.mbs.len()],
+            predicted_risk: vec![None; self.mbs.len()],
+            solve_seconds: 0.0,
+            note: String::new(),
+        })
+    }
+
+    fn plan(&self, kind: Kind, total_budget: usize, target: f64) -> anyhow::Result<Planned> {
+        let a = self.alloc;
+        let inputs: Vec<_> = self.mbs.iter().map(|m| m.input).collect();
+        let step_exposure: f64 = inputs.iter().map(|m| m.exposure).sum();
+        let risk_budget = a
+            .risk
+            .step_budget(target, step_exposure)
+            .unwrap_or(f64::INFINITY);
+        let full = Offer {
+            codecs: self.codecs.clone(),
+            recompute: true,
+            open_groups: true,
+        };
+        let t0 = Instant::now();
+        let decisions = match kind {
+            Kind::StoreAll => return self.fixed(baselines::store_all()),
+            Kind::Gc => return self.fixed(baselines::gradient_checkpointing()),
+            Kind::CompressAll => return self.fixed(baselines::compress_all()?),
+            Kind::Selective => {
+                let avail = a.activation_budget(total_budget).unwrap_or(0);
+                let found = baselines::selective_recompute(a, self.num_layers, avail)?;
+                let secs = t0.elapsed().as_secs_f64();
+                let (plan, note) = match found {
+                    Some((p, _)) => {
+                        let n = p.name().to_string();
+                        (p, n)
+                    }
+                    None => (
+                        baselines::gradient_checkpointing(),
+                        "does not fit; ran full recompute".into(),
+                    ),
+                };
+                let mut out = self.fixed(plan)?;
+                out.solve_seconds = secs;
+                out.note = note;
+                return Ok(out);
+            }
+            Kind::BudgetedRecompute => inputs
+                .iter()
+                .map(|mb| baselines::budgeted_recompute(a, mb, total_budget))
+                .collect::<hilore_runtime::Result<Vec<_>>>()?,
+            Kind::AdaccStyle => {
+                let mean = step_exposure / inputs.len() as f64;
+                let share = risk_budget / inputs.len() as f64;
+                inputs
+                    .iter()
+                    .map(|mb| {
+                        baselines::adacc_style(a, mb, total_budget, share, mean, &self.codecs)
+                    })
+                    .collect::<hilore_runtime::Result<Vec<_>>>()?
+            }
+            Kind::Hilore => a.plan_step(&inputs, total_budget, risk_budget, &full, None)?,
+        };
+        let secs = t0.elapsed().as_secs_f64();
+        let note = decisions
+            .iter()
+            .map(|d| {
+                d.counts
+                    .iter()
+                    .map(|(f, n)| format!("{n} {f}"))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            })
+            .next()
+            .unwrap_or_default();
+        // The risk each plan carries on its real microbatch: the Adacc-style policy
+        // planned with the mean exposure; risk is linear in exposure.
+        let mean = step_exposure / inputs.len() as f64;
+        let real_risk = |d: &hilore_runtime::allocator::Decision, mb: &MicrobatchInput| match kind {
+            Kind::AdaccStyle if mean > 0.0 => d.predicted_risk * mb.exposure / mean,
+            _ => d.predicted_risk,
+        };
+        Ok(Planned {
+            plans: decisions.iter().map(|d| d.plan.clone()).collect(),
+            predicted_activation: decisions.iter().map(|d| d.predicted_peak_bytes).collect(),
+            predicted_risk: decisions
+                .iter()
+                .zip(&inputs)
+                .map(|(d, mb)| (kind != Kind::BudgetedRecompute).then(|| real_risk(d, mb)))
+                .collect(),
+            solve_seconds: secs,
+            note,
+        })
+    }
+}
+
+/// One measured pass.
+struct Measured {
+    seconds: f64,
+    forward: f64,
+    times: TapeTimes,
+    ledger_peak: usize,
+    heap_peak: usize,
+    grads: Option<Vec<f32>>,
+    events: Option<Vec<MemoryEvent>>,
+}
+
+fn run_pass(
+    model: &Decoder,
+    mb: &Microbatch,
+    plan: &Plan,
+    want_grads: bool,
+    want_events: bool,
+) -> anyhow::Result<Measured> {
+    let base = alloc::reset_peak();
+    let t0 = Instant::now();
+    let mut cx = Cx::new(plan.clone());
+    let logp = model.token_logprobs(&mut cx, &mb.batch)?;
+    let forward = t0.elapsed().as_secs_f64();
+    let mut grads = Grads::new();
+    cx.backward(&logp, &mb.coeff_tensor, &mut grads)?;
+    let seconds = t0.elapsed().as_secs_f64();
+    let heap_peak = alloc::peak().saturating_sub(base);
+    let flat = if want_grads {
+        Some(flatten(model, &grads)?)
+    } else {
+        None
+    };
+    Ok(Measured {
+        seconds,
+        forward,
+        times: cx.times().clone(),
+        ledger_peak: cx.memory().peak_bytes(),
+        heap_peak,
+        grads: flat,
+        events: want_events.then(|| cx.memory().events().to_vec()),
+    })
+}
+
+fn flatten(model: &Decoder, grads: &Grads) -> anyhow::Result<Vec<f32>> {
+    let mut out = Vec::with_capacity(model.num_params());
+    for (name, p) in model.named_params() {
+        let g = grads
+            .get(p.id())
+            .with_context(|| format!("no gradient reached {name}"))?;
+        out.extend(g.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?);
+    }
+    Ok(out)
+}
+
+struct CalRunner<'a> {
+    model: &'a Decoder,
+    mbs: &'a [Microbatch],
+    bar: &'a ProgressBar,
+}
+
+impl Runner for CalRunner<'_> {
+    fn run(&mut self, mb: usize, plan: &Plan) -> hilore_runtime::Result<PassResult> {
+        let m = run_pass(self.model, &self.mbs[mb], plan, true, false)
+            .map_err(|e| hilore_runtime::Error::Tape(format!("{e:#}")))?;
+        self.bar.inc(1);
+        Ok(PassResult {
+            grads: m.grads.unwrap_or_default(),
+            times: m.times,
+            forward_seconds: m.forward,
+        })
+    }
+}
+
+#[derive(Serialize, Clone, Default)]
+struct TimeSplit {
+    forward: f64,
+    backward: f64,
+    recompute: f64,
+    encode: f64,
+    decode: f64,
+    solve: f64,
+}
+
+/// One policy's results, as `--json` writes them.
+#[derive(Serialize, Clone)]
+struct PolicyRow {
+    policy: String,
+    plan: String,
+    budget_factor: Option<f64>,
+    tokens_per_s: f64,
+    ratio_to_gc: f64,
+    step_seconds_median: f64,
+    step_seconds: Vec<f64>,
+    peak_total_bytes: usize,
+    peak_activation_bytes: usize,
+    peak_activation_ratio_to_gc: f64,
+    budget_bytes: Option<usize>,
+    fits_budget: Option<bool>,
+    /// Total (state + ledger) peak the simulator predicted.
+    predicted_peak_bytes: usize,
+    predicted_peak_activation_bytes: usize,
+    peak_matches_prediction: bool,
+    process_peak_heap_bytes: usize,
+    grad_cosine: f64,
+    grad_rel_l2: f64,
+    /// Sum over microbatches of the allocator's predicted risk (None when not modelled).
+    predicted_risk: Option<f64>,
+    solve_seconds: f64,
+    solve_fraction_of_step: f64,
+    time_split_seconds: TimeSplit,
+    /// Measured gradient error norm per microbatch and the predicted risk.
+    microbatch_errors: Vec<(f64, Option<f64>)>,
+    /// Measured error norm of the step gradient (sum over microbatches).
+    step_error: f64,
+}
+
+fn median(v: &[f64]) -> f64 {
+    let mut s = v.to_vec();
+    s.sort_by(|a, b| a.total_cmp(b));
+    let n = s.len();
+    if n == 0 {
+        return f64::NAN;
+    }
+    if n % 2 == 1 {
+        s[n / 2]
+    } else {
+        0.5 * (s[n / 2 - 1] + s[n / 2])
+    }
+}
+
+struct Exact {
+    per_mb: Vec<Vec<f32>>,
+    step: Vec<f32>,
+}
+
+#[allow(clippy::too_many_arguments)]
+fn measure(
+    model: &Decoder,
+    mbs: &[Microbatch],
+    policies: &[(Kind, Planned, Option<usize>, Option<f64>)],
+    reps: usize,
+    exact: &mut Option<Exact>,
+    state: StateBytes,
+    bar: &ProgressBar,
+    events_of: &mut Vec<(String, Vec<MemoryEvent>)>,
+) -> anyhow::Result<Vec<PolicyRow>> {
+    let n = policies.len();
+    let mut step_secs = vec![Vec::new(); n];
+    let mut splits = vec![Vec::<TimeSplit>::new(); n];
+    let mut ledger = vec![0usize; n];
+    let mut heap = vec![0usize; n];
+    let mut matches = vec![true; n];
+    let mut grads: Vec<Option<Vec<Vec<f32>>>> = vec![None; n];
+    for rep in 0..reps {
+        for (i, (kind, planned, _, _)) in policies.iter().enumerate() {
+            let mut step = 0.0;
+            let mut split = TimeSplit {
+                solve: planned.solve_seconds,
+                ..Default::default()
+            };
+            let mut g = Vec::new();
+            for (m, mb) in mbs.iter().enumerate() {
+                let want_events =
+                    rep == 0 && m == 0 && !events_of.iter().any(|e| e.0 == kind.name());
+                let r = run_pass(model, mb, &planned.plans[m], rep == 0, want_events)?;
+                bar.inc(1);
+                step += r.seconds;
+                split.forward += r.forward - r.times.encode.as_secs_f64();
+                split.encode += r.times.encode.as_secs_f64();
+                split.recompute += r.times.recompute.as_secs_f64();
+                split.decode += r.times.decode.as_secs_f64();
+                split.backward +=
+                    (r.times.backward - r.times.recompute - r.times.decode).as_secs_f64();
+                ledger[i] = ledger[i].max(r.ledger_peak);
+                heap[i] = heap[i].max(r.heap_peak);
+                matches[i] &= r.ledger_peak == planned.predicted_activation[m];
+                if let Some(gr) = r.grads {
+                    g.push(gr);
+                }
+                if let Some(ev) = r.events {
+                    events_of.push((kind.name().to_string(), ev));
+                }
+            }
+            step_secs[i].push(step + planned.solve_seconds);
+            splits[i].push(split);
+            if rep == 0 {
+                grads[i] = Some(g);
+            }
+        }
+        if rep == 0 && exact.is_none() {
+            // The store-all policy must be measured first in the main run.
+            let sa = policies
+                .iter()
+                .position(|p| p.0 == Kind::StoreAll)
+                .context("the exact gradient needs the store-all policy")?;
+            let per_mb = grads[sa].clone().unwrap_or_default();
+            let mut step = vec![0f32; per_mb[0].len()];
+            for g in &per_mb {
+                for (s, v) in step.iter_mut().zip(g) {
+                    *s += v;
+                }
+            }
+            *exact = Some(Exact { per_mb, step });
+        }
+    }
+    let exact = exact.as_ref().context("no exact gradient")?;
+    let rows_total: usize = mbs.iter().map(|m| m.batch.num_tokens()).sum();
+    let mut out = Vec::with_capacity(n);
+    for (i, (kind, planned, budget, factor)) in policies.iter().enumerate() {
+        let g = grads[i].as_ref().context("no gradients")?;
+        let mut step = vec![0f32; exact.step.len()];
+        for gm in g {
+            for (s, v) in step.iter_mut().zip(gm) {
+                *s += v;
+            }
+        }
+        let (step_err, rel, cos) = grad_error(&step, &exact.step);
+        let mb_err: Vec<(f64, Option<f64>)> = g
+            .iter()
+            .zip(&exact.per_mb)
+            .zip(&planned.predicted_risk)
+            .map(|((a, b), r)| (grad_error(a, b).0, *r))
+            .collect();
+        let med = median(&step_secs[i]);
+        let pick = |f: fn(&TimeSplit) -> f64| median(&splits[i].iter().map(f).collect::<Vec<_>>());
+        let pred = planned
+            .predicted_activation
+            .iter()
+            .copied()
+            .max()
+            .unwrap_or(0);
+        out.push(PolicyRow {
+            policy: kind.name().to_string(),
+            plan: planned.note.clone(),
+            budget_factor: *factor,
+            tokens_per_s: rows_total as f64 / med,
+            ratio_to_gc: f64::NAN,
+            step_seconds_median: med,
+            step_seconds: step_secs[i].clone(),
+            peak_total_bytes: ledger[i] + state.total(),
+            peak_activation_bytes: ledger[i],
+            peak_activation_ratio_to_gc: f64::NAN,
+            budget_bytes: *budget,
+            fits_budget: budget.map(|b| ledger[i] + state.total() <= b),
+            predicted_peak_bytes: pred + state.total(),
+            predicted_peak_activation_bytes: pred,
+            peak_matches_prediction: matches[i],
+            process_peak_heap_bytes: heap[i],
+            grad_cosine: cos,
+            grad_rel_l2: rel,
+            predicted_risk: planned.predicted_risk.iter().copied().sum::<Option<f64>>(),
+            solve_seconds: planned.solve_seconds,
+            solve_fraction_of_step: planned.solve_seconds / med,
+            time_split_seconds: TimeSplit {
+                forward: pick(|s| s.forward),
+                backward: pick(|s| s.backward),
+                recompute: pick(|s| s.recompute),
+                encode: pick(|s| s.encode),
+                decode: pick(|s| s.decode),
+                solve: planned.solve_seconds,
+            },
+            microbatch_errors: mb_err,
+            step_error: step_err,
+        });
+    }
+    Ok(out)
+}
+
+fn set_ratios(rows: &mut [PolicyRow], gc: &PolicyRow) {
+    for r in rows {
+        r.ratio_to_gc = r.tokens_per_s / gc.tokens_per_s;
+        r.peak_activation_ratio_to_gc =
+            r.peak_activation_bytes as f64 / gc.peak_activation_bytes as f64;
+    }
+}
+
+#[derive(Serialize)]
+struct ConfigOut {
+    model: DecoderConfig,
+    params: usize,
+    layers: usize,
+    rows_per_microbatch: usize,
+    microbatches: usize,
+    sequences: usize,
+    zero_advantage_sequences: usize,
+    exposure_per_microbatch: Vec<f64>,
+    sum_sq_lengths_per_microbatch: Vec<usize>,
+    reps: usize,
+    seed: u64,
+    codecs: Vec<&'static str>,
+    state_bytes: StateBytes,
+    gc_peak_activation_bytes: usize,
+    gc_peak_total_bytes: usize,
+    gc_activation_share_of_total: f64,
+    budget_bytes: usize,
+    budget_factor: f64,
+    target_rel_l2: f64,
+    risk_budget: Option<f64>,
+    calibration_passes: usize,
+    calibration_seconds: f64,
+}
+
+#[derive(Serialize)]
+struct Report {
+    config: ConfigOut,
+    policies: Vec<PolicyRow>,
+    budget_sweep: Vec<PolicyRow>,
+    risk_sweep: Vec<PolicyRow>,
+    additivity: Additivity,
+    acceptance: Acceptance,
+    calibration: hilore_runtime::allocator::CalibrationReport,
+}
+
+#[derive(Serialize, Default)]
+struct Additivity {
+    /// (policy, predicted risk, measured error) per microbatch, every run.
+    points: Vec<(String, f64, f64)>,
+    /// Median of measured / predicted over points with predicted > 0.
+    median_ratio: f64,
+    /// Largest measured / predicted.
+    max_ratio: f64,
+    /// Pearson correlation of log predicted and log measured.
+    log_correlation: f64,
+    /// (policy, predicted step risk, measured step error norm) per run.
+    step_points: Vec<(String, f64, f64)>,
+}
+
+#[derive(Serialize, Default)]
+struct Acceptance {
+    hilore_ratio_to_gc: f64,
+    fastest_in_budget_baseline: String,
+    hilore_ratio_to_fastest_in_budget_baseline: f64,
+    hilore_grad_cosine: f64,
+    every_budgeted_peak_within_budget: bool,
+    every_budgeted_peak_equals_prediction: bool,
+}
+
+pub fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
+    let t_start = Instant::now();
+    anyhow::ensure!(args.reps >= 1, "--reps must be at least 1");
+    let device = Device::Cpu;
+    let cfg = match &args.config {
+        Some(p) => crate::common::load_config(Some(p))?,
+        None => workload::default_config(),
+    };
+    let codecs: Vec<&'static str> = args
+        .codecs
+        .iter()
+        .map(|c| hilore_kernels::codec_by_name(c).map(|c| c.name()))
+        .collect::<Result<_, _>>()?;
+    let budget: MemoryBudget = args.budget.parse()?;
+    let model = Decoder::random(&cfg, args.seed, &device)?;
+    let spec = StepSpec {
+        prompts: args.prompts,
+        group: args.group,
+        rows_per_microbatch: args.rows,
+    };
+    let mbs = grpo_step(&cfg, spec, args.seed.wrapping_add(1), &device)?;
+    let cal_mbs = grpo_step(&cfg, spec, args.seed.wrapping_add(1001), &device)?;
+    let cal_mbs: Vec<Microbatch> = {
+        // Two calibration microbatches with different squared lengths and nonzero
+        // exposure.
+        let mut v: Vec<Microbatch> = cal_mbs
+            .into_iter()
+            .filter(|m| m.input.exposure > 0.0)
+            .collect();
+        v.sort_by_key(|m| m.input.shape.sum_sq_lengths);
+        match v.len() {
+            0 => anyhow::bail!("the calibration step has no microbatch with nonzero exposure"),
+            1 => v,
+            n => vec![v[0].clone(), v[n - 1].clone()],
+        }
+    };
+    let state = StateBytes::adamw_f32(model.num_params());
+    let quiet = args.quiet;
+    let bar = |len: u64, msg: &str| {
+        let b = ProgressBar::new(len);
+        if quiet {
+            b.set_draw_target(ProgressDrawTarget::hidden());
+        }
+        b.set_style(
+            ProgressStyle::with_template("{msg:>24} [{bar:40}] {pos}/{len} passes, {elapsed}")
+                .unwrap_or_else(|_| ProgressStyle::default_bar())
+                .progress_chars("=> "),
+        );
+        b.set_message(msg.to_string());
+        b
+    };
+    eprintln!(
+        "model: {} layers, hidden {}, MLP {}, {} params; {} microbatches of {} rows ({} sequences, {} with zero advantage)",
+        cfg.num_hidden_layers,
+        cfg.hidden_size,
+        cfg.intermediate_size,
+        model.num_params(),
+        mbs.len(),
+        args.rows,
+        mbs.iter().map(|m| m.sequences).sum::<usize>(),
+        mbs.iter().map(|m| m.zero_advantage_sequences).sum::<usize>(),
+    );
+
+    // Profile.
+    let (profile, instances) = {
+        let mut cx = Cx::new(Plan::store_all()).profiling(true);
+        let logp = model.token_logprobs(&mut cx, &mbs[0].batch)?;
+        let mut g = Grads::new();
+        cx.backward(&logp, &mbs[0].coeff_tensor, &mut g)?;
+        (cx.profile()?, cx.unit_instances())
+    };
+    let mut allocator = Allocator::new(profile, &instances, state, &codecs)?;
+
+    // Calibrate.
+    let t_cal = Instant::now();
+    let recomputable = {
+        let mut names: Vec<&str> = allocator.instances().iter().map(|b| b.unit).collect();
+        names.sort();
+        names.dedup();
+        names
+            .iter()
+            .filter(|n| {
+                allocator
+                    .instances()
+                    .iter()
+                    .position(|b| b.unit == **n)
+                    .is_some_and(|i| allocator.descriptor(i).deterministic)
+            })
+            .count()
+    };
+    let compressible = {
+        let mut names: Vec<&str> = allocator
+            .instances()
+            .iter()
+            .filter(|b| !b.own_act_elems.is_empty())
+            .map(|b| b.unit)
+            .collect();
+        names.sort();
+        names.dedup();
+        names.len()
+    };
+    let cal_passes = cal_mbs.len() * (1 + recomputable) + compressible * codecs.len();
+    let cal_bar = bar(cal_passes as u64, "calibrating");
+    let cal_inputs: Vec<_> = cal_mbs.iter().map(|m| m.input).collect();
+    let cal_report = {
+        let mut runner = CalRunner {
+            model: &model,
+            mbs: &cal_mbs,
+            bar: &cal_bar,
+        };
+        calibrate(
+            &mut allocator,
+            &mut runner,
+            &cal_inputs,
+            cal_inputs.len() - 1,
+            &codecs,
+            &mut |_| {},
+        )?
+    };
+    cal_bar.finish_and_clear();
+    let cal_seconds = t_cal.elapsed().as_secs_f64();
+    eprintln!(
+        "calibrated in {:.1} s ({} passes)",
+        cal_seconds, cal_report.passes
+    );
+
+    let gc_peak = allocator.simulate_peak(&baselines::gradient_checkpointing())?;
+    let gc_total = gc_peak + state.total();
+    let budget_bytes = budget.bytes(gc_total);
+    let ctx = Ctx {
+        alloc: &allocator,
+        mbs: &mbs,
+        num_layers: cfg.num_hidden_layers,
+        codecs: codecs.clone(),
+    };
+    let plan_all = |factor_budget: usize,
+                    target: f64,
+                    kinds: &[Kind]|
+     -> anyhow::Result<Vec<(Kind, Planned, Option<usize>, Option<f64>)>> {
+        let mut v = Vec::new();
+        for &k in kinds {
+            match ctx.plan(k, factor_budget, target) {
+                Ok(p) => {
+                    let (b, f) = if k.budgeted() {
+                        (
+                            Some(factor_budget),
+                            Some(factor_budget as f64 / gc_total as f64),
+                        )
+                    } else {
+                        (None, None)
+                    };
+                    v.push((k, p, b, f));
+                }
+                Err(e) => eprintln!("  {}: not planned: {e:#}", k.name()),
+            }
+        }
+        Ok(v)
+    };
+    let policies = plan_all(budget_bytes, args.target_rel_l2, &Kind::ALL)?;
+    let passes = (policies.len() * mbs.len() * args.reps) as u64;
+    let main_bar = bar(passes, "policies");
+    let mut exact = None;
+    let mut events = Vec::new();
+    let mut rows = measure(
+        &model,
+        &mbs,
+        &policies,
+        args.reps,
+        &mut exact,
+        state,
+        &main_bar,
+        &mut events,
+    )?;
+    main_bar.finish_and_clear();
+    let gc_row = rows
+        .iter()
+        .find(|r| r.policy == Kind::Gc.name())
+        .cloned()
+        .context("GC was not measured")?;
+    set_ratios(&mut rows, &gc_row);
+
+    // Budget sweep.
+    let mut sweep = Vec::new();
+    if !args.budgets.is_empty() {
+        let kinds: Vec<Kind> = Kind::ALL.iter().copied().filter(|k| k.budgeted()).collect();
+        let mut planned = Vec::new();
+        for &f in &args.budgets {
+            planned.extend(plan_all(
+                (f * gc_total as f64) as usize,
+                args.target_rel_l2,
+                &kinds,
+            )?);
+        }
+        let b = bar(
+            (planned.len() * mbs.len() * args.sweep_reps) as u64,
+            "budget sweep",
+        );
+        let mut r = measure(
+            &model,
+            &mbs,
+            &planned,
+            args.sweep_reps,
+            &mut exact,
+            state,
+            &b,
+            &mut Vec::new(),
+        )?;
+        b.finish_and_clear();
+        set_ratios(&mut r, &gc_row);
+        sweep = r;
+    }
+    // Risk sweep.
+    let mut risk_sweep = Vec::new();
+    if !args.risk_targets.is_empty() {
+        let mut planned = Vec::new();
+        for &t in &args.risk_targets {
+            for mut p in plan_all(budget_bytes, t, &[Kind::AdaccStyle, Kind::Hilore])? {
+                p.1.note = format!("target {t:e}: {}", p.1.note);
+                planned.push(p);
+            }
+        }
+        let b = bar(
+            (planned.len() * mbs.len() * args.sweep_reps) as u64,
+            "risk sweep",
+        );
+        let mut r = measure(
+            &model,
+            &mbs,
+            &planned,
+            args.sweep_reps,
+            &mut exact,
+            state,
+            &b,
+            &mut Vec::new(),
+        )?;
+        b.finish_and_clear();
+        set_ratios(&mut r, &gc_row);
+        risk_sweep = r;
+    }
+
+    // Additivity.
+    let mut add = Additivity::default();
+    for r in rows.iter().chain(&sweep).chain(&risk_sweep) {
+        for &(m, p) in &r.microbatch_errors {
+            if let Some(p) = p {
+                add.points.push((r.policy.clone(), p, m));
+            }
+        }
+    }
+    for r in rows.iter().chain(&sweep).chain(&risk_sweep) {
+        if let Some(p) = r.predicted_risk {
+            add.step_points.push((r.policy.clone(), p, r.step_error));
+        }
+    }
+    let ratios: Vec<f64> = add
+        .points
+        .iter()
+        .filter(|p| p.1 > 0.0)
+        .map(|p| p.2 / p.1)
+        .collect();
+    add.median_ratio = median(&ratios);
+    add.max_ratio = ratios.iter().copied().fold(0.0, f64::max);
+    {
+        let v: Vec<(f64, f64)> = add
+            .points
+            .iter()
+            .filter(|p| p.1 > 0.0 && p.2 > 0.0)
+            .map(|p| (p.1.ln(), p.2.ln()))
+            .collect();
+        let n = v.len() as f64;
+        if n > 2.0 {
+            let mx = v.iter().map(|p| p.0).sum::<f64>() / n;
+            let my = v.iter().map(|p| p.1).sum::<f64>() / n;
+            let (mut sxy, mut sxx, mut syy) = (0.0, 0.0, 0.0);
+            for (x, y) in &v {
+                sxy += (x - mx) * (y - my);
+                sxx += (x - mx).powi(2);
+                syy += (y - my).powi(2);
+            }
+            add.log_correlation = sxy / (sxx * syy).sqrt();
+        }
+    }
+
+    // Acceptance figures.
+    let hil = rows.iter().find(|r| r.policy == Kind::Hilore.name());
+    let mut acc = Acceptance::default();
+    if let Some(h) = hil {
+        acc.hilore_ratio_to_gc = h.ratio_to_gc;
+        acc.hilore_grad_cosine = h.grad_cosine;
+        let best = rows
+            .iter()
+            .filter(|r| {
+                r.policy != h.policy && r.policy != Kind::StoreAll.name()
+                    || r.policy == Kind::StoreAll.name()
+            })
+            .filter(|r| r.policy != h.policy)
+            .filter(|r| r.peak_total_bytes <= budget_bytes)
+            .max_by(|a, b| a.tokens_per_s.total_cmp(&b.tokens_per_s));
+        if let Some(b) = best {
+            acc.fastest_in_budget_baseline = b.policy.clone();
+            acc.hilore_ratio_to_fastest_in_budget_baseline = h.tokens_per_s / b.tokens_per_s;
+        }
+    }
+    let budgeted = || {
+        rows.iter()
+            .chain(&sweep)
+            .chain(&risk_sweep)
+            .filter(|r| r.budget_bytes.is_some())
+    };
+    acc.every_budgeted_peak_within_budget = budgeted().all(|r| r.fits_budget == Some(true));
+    acc.every_budgeted_peak_equals_prediction = budgeted().all(|r| r.peak_matches_prediction);
+
+    let step_exposure: f64 = mbs.iter().map(|m| m.input.exposure).sum();
+    let report = Report {
+        config: ConfigOut {
+            model: cfg.clone(),
+            params: model.num_params(),
+            layers: cfg.num_hidden_layers,
+            rows_per_microbatch: args.rows,
+            microbatches: mbs.len(),
+            sequences: mbs.iter().map(|m| m.sequences).sum(),
+            zero_advantage_sequences: mbs.iter().map(|m| m.zero_advantage_sequences).sum(),
+            exposure_per_microbatch: mbs.iter().map(|m| m.input.exposure).collect(),
+            sum_sq_lengths_per_microbatch: mbs
+                .iter()
+                .map(|m| m.input.shape.sum_sq_lengths)
+                .collect(),
+            reps: args.reps,
+            seed: args.seed,
+            codecs: codecs.clone(),
+            state_bytes: state,
+            gc_peak_activation_bytes: gc_peak,
+            gc_peak_total_bytes: gc_total,
+            gc_activation_share_of_total: gc_peak as f64 / gc_total as f64,
+            budget_bytes,
+            budget_factor: budget.factor(gc_total),
+            target_rel_l2: args.target_rel_l2,
+            risk_budget: allocator
+                .risk
+                .step_budget(args.target_rel_l2, step_exposure),
+            calibration_passes: cal_report.passes,
+            calibration_seconds: cal_seconds,
+        },
+        policies: rows,
+        budget_sweep: sweep,
+        risk_sweep,
+        additivity: add,
+        acceptance: acc,
+        calibration: cal_report,
+    };
+    print_report(&report);
+    if let Some(path) = &args.json {
+        std::fs::write(path, serde_json::to_string_pretty(&report)?)
+            .with_context(|| format!("writing {}", path.display()))?;
+    }
+    if let Some(dir) = &args.plot {
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+        write_plots(dir, &report, &events)?;
+        eprintln!("charts written to {}", dir.display());
+    }
+    eprintln!("bench finished in {:.0} s", t_start.elapsed().as_secs_f64());
+    Ok(ExitCode::SUCCESS)
+}
+
+fn print_report(r: &Report) {
+    let c = &r.config;
+    println!(
+        "fixed state {} (params {}, grads {}, AdamW {}); GC ledger peak {} = {:.1}% of GC's total {}; budget {} ({:.3}x GC)",
+        human_bytes(c.state_bytes.total()),
+        human_bytes(c.state_bytes.params),
+        human_bytes(c.state_bytes.grads),
+        human_bytes(c.state_bytes.optimizer),
+        human_bytes(c.gc_peak_activation_bytes),
+        100.0 * c.gc_activation_share_of_total,
+        human_bytes(c.gc_peak_total_bytes),
+        human_bytes(c.budget_bytes),
+        c.budget_factor
+    );
+    println!(
+        "{:<22} {:>9} {:>6} {:>11} {:>11} {:>6} {:>5} {:>10} {:>9} {:>9} {:>34}",
+        "policy",
+        "tok/s",
+        "xGC",
+        "peak total",
+        "peak act",
+        "actxGC",
+        "fits",
+        "heap",
+        "cosine",
+        "rel L2",
+        "fwd/bwd/rc/enc/dec/solve s"
+    );
+    for p in &r.policies {
+        let t = &p.time_split_seconds;
+        println!(
+            "{:<22} {:>9.0} {:>6.3} {:>11} {:>11} {:>6.2} {:>5} {:>10} {:>9.6} {:>9.2e} {:>34}",
+            p.policy,
+            p.tokens_per_s,
+            p.ratio_to_gc,
+            human_bytes(p.peak_total_bytes),
+            human_bytes(p.peak_activation_bytes),
+            p.peak_activation_ratio_to_gc,
+            match p.fits_budget {
+                Some(true) => "yes",
+                Some(false) => "NO",
+                None =>
+                    if p.peak_total_bytes <= c.budget_bytes {
+                        "(yes)"
+                    } else {
+                        "(no)"
+                    },
+            },
+            human_bytes(p.process_peak_heap_bytes),
+            p.grad_cosine,
+            p.grad_rel_l2,
+            format!(
+                "{:.2}/{:.2}/{:.2}/{:.2}/{:.2}/{:.3}",
+                t.forward, t.backward, t.recompute, t.encode, t.decode, t.solve
+            )
+        );
+    }
+    for p in &r.policies {
+        if !p.plan.is_empty() {
+            println!("  {}: {}", p.policy, p.plan);
+        }
+    }
+    let a = &r.acceptance;
+    println!(
+        "hilore: {:.3}x GC, {:.3}x the fastest in-budget baseline ({}), gradient cosine {:.6}; budgeted peaks within budget: {}; equal to the prediction byte for byte: {}",
+        a.hilore_ratio_to_gc,
+        a.hilore_ratio_to_fastest_in_budget_baseline,
+        a.fastest_in_budget_baseline,
+        a.hilore_grad_cosine,
+        a.every_budgeted_peak_within_budget,
+        a.every_budgeted_peak_equals_prediction
+    );
+    println!(
+        "risk additivity: measured/predicted median {:.3}, max {:.3}, log-correlation {:.3} over {} microbatch runs",
+        r.additivity.median_ratio,
+        r.additivity.max_ratio,
+        r.additivity.log_correlation,
+        r.additivity.points.len()
+    );
+    println!(
+        "{:<22} {:>14} {:>14} {:>8}",
+        "step (policy)", "predicted risk", "measured err", "ratio"
+    );
+    for (p, pred, meas) in &r.additivity.step_points {
+        println!(
+            "{p:<22} {pred:>14.4e} {meas:>14.4e} {:>8.3}",
+            meas / pred.max(1e-300)
+        );
+    }
+    for (title, rows) in [
+        ("budget sweep", &r.budget_sweep),
+        ("risk sweep", &r.risk_sweep),
+    ] {
+        if rows.is_empty() {
+            continue;
+        }
+        println!("{title}:");
+        for p in rows.iter() {
+            println!(
+                "  {:<22} budget {:>5.3}x  {:>8.0} tok/s ({:.3}x GC)  peak {:>11}  fits {:<5}  rel L2 {:.2e}  {}",
+                p.policy,
+                p.budget_factor.unwrap_or(f64::NAN),
+                p.tokens_per_s,
+                p.ratio_to_gc,
+                human_bytes(p.peak_total_bytes),
+                p.fits_budget.unwrap_or(false),
+                p.grad_rel_l2,
+                p.plan
+            );
+        }
+    }
+}
+
+fn write_plots(
+    dir: &std::path::Path,
+    r: &Report,
+    events: &[(String, Vec<MemoryEvent>)],
+) -> anyhow::Result<()> {
+    let mib = |b: usize| b as f64 / (1 << 20) as f64;
+    let budget = mib(r.config.budget_bytes);
+    // Throughput against memory, one point per policy.
+    let mut c = Chart::new(
+        "actor-update throughput vs total peak memory",
+        "total peak (MiB): params + grads + AdamW + ledger peak",
+        "tokens / s (median)",
+    );
+    for p in &r.policies {
+        c.series.push(Series::scatter(
+            &p.policy,
+            vec![(mib(p.peak_total_bytes), p.tokens_per_s)],
+        ));
+    }
+    c.vlines
+        .push((budget, format!("budget {:.2}x GC", r.config.budget_factor)));
+    c.write(&dir.join("throughput_vs_memory.svg"))?;
+    // Memory timeline of the first microbatch per policy.
+    let mut c = Chart::new(
+        "ledger timeline of one microbatch",
+        "event (unit closes in forward, decodes / recomputes / frees in backward)",
+        "live ledger bytes (MiB)",
+    );
+    for (name, ev) in events {
+        c.series.push(Series::plain_line(
+            name,
+            ev.iter()
+                .enumerate()
+                .map(|(i, e)| (i as f64, mib(e.live_bytes)))
+                .collect(),
+        ));
+    }
+    c.write(&dir.join("memory_timeline.svg"))?;
+    // Predicted vs measured risk.
+    let mut c = Chart::new(
+        "gradient error: predicted risk vs measured (per microbatch)",
+        "predicted risk (sum of kappa x exposure)",
+        "measured ||g - g_exact||",
+    );
+    let mut names: Vec<&str> = r.additivity.points.iter().map(|p| p.0.as_str()).collect();
+    names.sort();
+    names.dedup();
+    for n in names {
+        c.series.push(Series::scatter(
+            n,
+            r.additivity
+                .points
+                .iter()
+                .filter(|p| p.0 == n && p.1 > 0.0 && p.2 > 0.0)
+                .map(|p| (p.1, p.2))
+                .collect(),
+        ));
+    }
+    for n in [Kind::Hilore.name(), Kind::AdaccStyle.name()] {
+        c.series.push(Series::scatter(
+            format!("step: {n}"),
+            r.additivity
+                .step_points
+                .iter()
+                .filter(|p| p.0 == n && p.1 > 0.0 && p.2 > 0.0)
+                .map(|p| (p.1, p.2))
+                .collect(),
+        ));
+    }
+    c.diagonal = true;
+    c.x_scale = Scale::Log;
+    c.y_scale = Scale::Log;
+    c.write(&dir.join("risk_predicted_vs_measured.svg"))?;
+    // Pareto.
+    if !r.budget_sweep.is_empty() {
+        let mut c = Chart::new(
+            "budget sweep: throughput vs measured total peak",
+            "total peak / GC's total peak",
+            "tokens / s",
+        );
+        let gc = r.config.gc_peak_total_bytes as f64;
+        let mut names: Vec<&str> = r.budget_sweep.iter().map(|p| p.policy.as_str()).collect();
+        names.dedup();
+        names.sort();
+        names.dedup();
+        for n in names {
+            let mut pts: Vec<(f64, f64)> = r
+                .budget_sweep
+                .iter()
+                .filter(|p| p.policy == n && p.fits_budget == Some(true))
+                .map(|p| (p.peak_total_bytes as f64 / gc, p.tokens_per_s))
+                .collect();
+            pts.sort_by(|a, b| a.0.total_cmp(&b.0));
+            c.series.push(Series::line(n, pts));
+        }
+        for p in &r.policies {
+            if !p.budget_bytes.is_some() {
+                c.series.push(Series::scatter(
+                    &p.policy,
+                    vec![(p.peak_total_bytes as f64 / gc, p.tokens_per_s)],
+                ));
+            }
+        }
+        c.write(&dir.join("pareto_budget_sweep.svg"))?;
+    }
+    if !r.risk_sweep.is_empty() {
+        let mut c = Chart::new(
+            "time vs measured gradient error at the main budget",
+            "measured relative L2 error of the step gradient",
+            "tokens / s",
+        );
+        for n in [Kind::Hilore.name(), Kind::AdaccStyle.name()] {
+            let mut pts: Vec<(f64, f64)> = r
+                .risk_sweep
+                .iter()
+                .chain(&r.policies)
+                .filter(|p| p.policy == n && p.grad_rel_l2 > 0.0)
+                .map(|p| (p.grad_rel_l2, p.tokens_per_s))
+                .collect();
+            pts.sort_by(|a, b| a.0.total_cmp(&b.0));
+            c.series.push(Series::line(n, pts));
+        }
+        c.x_scale = Scale::Log;
+        c.write(&dir.join("throughput_vs_grad_error.svg"))?;
+    }
+    Ok(())
+}
