@@ -36,6 +36,7 @@ struct SlotMeta {
     kind: SlotKind,
     shape: Shape,
     dtype: DType,
+    device: candle_core::Device,
 }
 
 struct Node {
@@ -403,6 +404,7 @@ impl<'m> Cx<'m> {
                     kind,
                     shape: t.shape().clone(),
                     dtype: t.dtype(),
+                    device: t.device().clone(),
                 };
                 let slot = match s {
                     Saved::Param(t) => Slot::Param(t),
@@ -698,7 +700,6 @@ impl<'m> Cx<'m> {
     fn decode_unit(&mut self, inst: usize) -> Result<()> {
         let t0 = Instant::now();
         let (first, end) = (self.units[inst].first_node, self.units[inst].end_node);
-        let device = candle_core::Device::Cpu;
         for n in first..end {
             if self.nodes[n].unit != Some(inst) {
                 continue;
@@ -717,7 +718,7 @@ impl<'m> Cx<'m> {
                     })?;
                 let meta = &self.nodes[n].meta[s];
                 let t =
-                    Tensor::from_vec(data, meta.shape.clone(), &device)?.to_dtype(meta.dtype)?;
+                    Tensor::from_vec(data, meta.shape.clone(), &meta.device)?.to_dtype(meta.dtype)?;
                 let held = self.hold(t, MemClass::Decoded);
                 let old = std::mem::replace(&mut self.nodes[n].slots[s], held);
                 self.release(old);
