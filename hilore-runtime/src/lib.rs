@@ -59,6 +59,7 @@ pub use fidelity::{Fidelity, Plan};
 pub use grads::Grads;
 pub use hilore_macros::recovery_unit;
 pub use memory::{Ledger, MemClass, MemoryEvent};
+pub use opaque::OpaqueUnit;
 pub use ops::{RopeTables, Saved};
 pub use packing::Packing;
 pub use simulate::{InstanceBytes, Profile, Simulated};

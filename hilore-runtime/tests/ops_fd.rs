@@ -628,7 +628,10 @@ fn attention_window_matches_naive_reference() {
         }
     }
     // Same bound and reason as the unwindowed case.
-    assert!(worst < 1e-12, "windowed attention vs naive: max abs diff {worst:e}");
+    assert!(
+        worst < 1e-12,
+        "windowed attention vs naive: max abs diff {worst:e}"
+    );
     let mut cx = Cx::new(Plan::store_all());
     let (packing, q, k, v) = attention_inputs(17);
     let e = cx
