@@ -717,8 +717,8 @@ impl<'m> Cx<'m> {
                         source,
                     })?;
                 let meta = &self.nodes[n].meta[s];
-                let t =
-                    Tensor::from_vec(data, meta.shape.clone(), &meta.device)?.to_dtype(meta.dtype)?;
+                let t = Tensor::from_vec(data, meta.shape.clone(), &meta.device)?
+                    .to_dtype(meta.dtype)?;
                 let held = self.hold(t, MemClass::Decoded);
                 let old = std::mem::replace(&mut self.nodes[n].slots[s], held);
                 self.release(old);
