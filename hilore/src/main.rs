@@ -6,7 +6,9 @@ mod bench_tape;
 mod check;
 mod codecs;
 mod common;
+mod export;
 mod plot;
+mod score;
 mod tasks;
 mod tokenizer;
 mod train;
@@ -58,6 +60,14 @@ enum Command {
     /// a microbatched actor update under a fidelity policy; held-out accuracy before and
     /// after, per-step log and metrics, atomic checkpoints, bit-identical --resume.
     Train(Box<train::TrainArgs>),
+    /// Per-token log-probs of completions under a zoo model (a Hugging Face model
+    /// directory): for each `{"prompt": ..., "completion": ...}` line, the completion's
+    /// token ids, tokens and log-probs given the prompt.
+    Score(score::ScoreArgs),
+    /// Write a zoo model back as a Hugging Face model directory (config.json,
+    /// model.safetensors with the same tensor names, tokenizer.json), loadable by
+    /// candle-transformers.
+    Export(export::ExportArgs),
 }
 
 fn main() -> ExitCode {
@@ -69,6 +79,8 @@ fn main() -> ExitCode {
         Command::Codecs(a) => codecs::run(a),
         Command::Bench(a) => bench::run(*a),
         Command::Train(a) => train::run(*a),
+        Command::Score(a) => score::run(a),
+        Command::Export(a) => export::run(a),
     };
     match result {
         Ok(code) => code,

@@ -1,0 +1,52 @@
+//! `hilore export`: write a model back as a Hugging Face model directory.
+
+use anyhow::{bail, Context};
+use candle_core::{DType, Device};
+use clap::Args;
+use hilore_models::zoo;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+#[derive(Args)]
+pub struct ExportArgs {
+    /// The model directory to export (config.json, safetensors weights, tokenizer.json).
+    #[arg(long, value_name = "DIR")]
+    model: PathBuf,
+    /// Output directory (created if needed): config.json, model.safetensors with the same
+    /// tensor names, and tokenizer.json when the model has one. Loadable by
+    /// candle-transformers, `transformers` and `hilore score --model`.
+    #[arg(long, value_name = "DIR")]
+    out: PathBuf,
+    /// Weight dtype: `f32` (a bit-identical round trip), `bf16` or `f16` (rounded to
+    /// nearest, half the size).
+    #[arg(long, default_value = "f32")]
+    dtype: String,
+}
+
+pub fn run(args: ExportArgs) -> anyhow::Result<ExitCode> {
+    let dtype = match args.dtype.as_str() {
+        "f32" => DType::F32,
+        "bf16" => DType::BF16,
+        "f16" => DType::F16,
+        other => bail!("--dtype {other}: expected f32, bf16 or f16"),
+    };
+    if let (Ok(a), Ok(b)) = (args.model.canonicalize(), args.out.canonicalize()) {
+        if a == b {
+            bail!(
+                "--out {} is the model directory itself; export to another directory",
+                args.out.display()
+            );
+        }
+    }
+    let (model, cfg, tok) = zoo::load(&args.model, &Device::Cpu)?;
+    zoo::export_with(&model, &cfg, tok.as_ref(), &args.out, dtype)
+        .with_context(|| format!("exporting to {}", args.out.display()))?;
+    eprintln!(
+        "wrote {} ({} parameters, {}{})",
+        args.out.display(),
+        model.num_params(),
+        args.dtype,
+        if tok.is_some() { ", tokenizer" } else { "" }
+    );
+    Ok(ExitCode::SUCCESS)
+}
