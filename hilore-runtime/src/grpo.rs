@@ -540,6 +540,10 @@ fn check_logprobs(cfg: &GrpoConfig, total: usize, lp: &TokenLogprobs<'_>) -> Res
 /// The loss `L = sum_i w_i sum_t l_it` from its definition (the min of the unclipped and
 /// clipped surrogate, the k3 term), in f64. Independent of the coefficient formula: tests
 /// differentiate it numerically; logs report it.
+///
+/// `old` and `reference` are constants of the loss. `old: None` gives the value with
+/// `rho = 1`; to differentiate the first epoch's loss numerically, pass the unperturbed
+/// current log-probs as `old` (the detached copy they stand for).
 pub fn loss(cfg: &GrpoConfig, seqs: Sequences<'_>, lp: TokenLogprobs<'_>) -> Result<f64> {
     let total = seqs.check()?;
     check_logprobs(cfg, total, &lp)?;

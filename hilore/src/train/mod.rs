@@ -94,9 +94,14 @@ pub struct TrainArgs {
     intermediate: usize,
 
     // ----- warm start
-    /// Supervised warm-start steps (0: start GRPO from the random init).
-    #[arg(long, default_value_t = 150, help_heading = "Warm start")]
+    /// Most supervised warm-start steps (0: start GRPO from the random init).
+    #[arg(long, default_value_t = 2000, help_heading = "Warm start")]
     sft_steps: usize,
+    /// Stop the warm start once the moving average of its loss (nats per solution token)
+    /// falls below this, so GRPO starts from a partly competent policy whatever the seed;
+    /// 0 runs all --sft-steps.
+    #[arg(long, default_value_t = 0.35, help_heading = "Warm start")]
+    sft_target_loss: f64,
     /// Examples per warm-start step.
     #[arg(long, default_value_t = 64, help_heading = "Warm start")]
     sft_batch: usize,
@@ -105,7 +110,7 @@ pub struct TrainArgs {
 
     // ----- GRPO
     /// GRPO steps (rollout + update).
-    #[arg(long, default_value_t = 40, help_heading = "GRPO")]
+    #[arg(long, default_value_t = 100, help_heading = "GRPO")]
     steps: usize,
     /// Prompts per step (P).
     #[arg(long, default_value_t = 32, help_heading = "GRPO")]
@@ -113,7 +118,7 @@ pub struct TrainArgs {
     /// Responses per prompt (G).
     #[arg(long, default_value_t = 8, help_heading = "GRPO")]
     group_size: usize,
-    #[arg(long, default_value_t = 1e-3, help_heading = "GRPO")]
+    #[arg(long, default_value_t = 2e-4, help_heading = "GRPO")]
     lr: f64,
     /// Update epochs per rollout batch (mu); with 1 and --beta 0 the coefficients are
     /// known before the forward.
@@ -198,6 +203,7 @@ struct RunSettings {
     model: DecoderConfig,
     tokenizer: String,
     sft_steps: usize,
+    sft_target_loss: f64,
     sft_batch: usize,
     sft_lr: f64,
     prompts: usize,
@@ -308,6 +314,11 @@ struct Summary {
     optimizer_state_bytes: usize,
 }
 
+/// Decay of the warm start's loss moving average (about the last 10 steps).
+const SFT_EMA: f64 = 0.9;
+/// The warm start runs at least this many steps before its target loss can stop it.
+const SFT_MIN_STEPS: usize = 20;
+
 fn stream_seed(seed: u64, name: &str) -> u64 {
     SplitMix64::for_stream(seed, name).next_u64()
 }
@@ -410,6 +421,7 @@ impl RunSettings {
             model,
             tokenizer: tokenizer.describe(),
             sft_steps: a.sft_steps,
+            sft_target_loss: a.sft_target_loss,
             sft_batch: a.sft_batch,
             sft_lr: a.sft_lr,
             prompts: a.prompts,
@@ -736,7 +748,8 @@ pub fn run(args: TrainArgs) -> anyhow::Result<ExitCode> {
         let t = Instant::now();
         let mut sft_opt = AdamW::new(settings.sft_adamw(), &model);
         let pb = bar(settings.sft_steps, progress, "warm start");
-        let (mut final_loss, mut tokens) = (f64::NAN, 0usize);
+        let (mut final_loss, mut tokens, mut steps) = (f64::NAN, 0usize, 0usize);
+        let mut ema = f64::NAN;
         for s in 0..settings.sft_steps {
             let exs = draw_examples(
                 &task,
@@ -756,19 +769,31 @@ pub fn run(args: TrainArgs) -> anyhow::Result<ExitCode> {
             )?;
             final_loss = r.loss;
             tokens += r.tokens;
-            pb.set_message(format!("loss {:.4}", r.loss));
+            steps += 1;
+            ema = if s == 0 {
+                r.loss
+            } else {
+                SFT_EMA * ema + (1.0 - SFT_EMA) * r.loss
+            };
+            pb.set_message(format!("loss {:.4}", ema));
             pb.inc(1);
+            if settings.sft_target_loss > 0.0
+                && s + 1 >= SFT_MIN_STEPS
+                && ema < settings.sft_target_loss
+            {
+                break;
+            }
         }
         pb.finish_and_clear();
         let seconds = t.elapsed().as_secs_f64();
         let warm_start = WarmStart {
-            steps: settings.sft_steps,
-            final_loss,
+            steps,
+            final_loss: ema,
             seconds,
             tokens_per_s: tokens as f64 / seconds.max(1e-9),
         };
         println!(
-            "warm start: {} steps, loss {:.4}, {:.1}s ({:.0} tok/s)",
+            "warm start: {} steps, loss {:.4} (moving average; last step {final_loss:.4}), {:.1}s ({:.0} tok/s)",
             warm_start.steps, warm_start.final_loss, warm_start.seconds, warm_start.tokens_per_s
         );
         let before = evaluate(
