@@ -140,6 +140,9 @@ macro_rules! opaque_unit {
     };
 }
 
+/// The unit body handed to the tape (re-run on recompute).
+type Body<'m> = Rc<dyn Fn(&mut Cx<'m>) -> Result<Var> + 'm>;
+
 /// An unmodified candle module (or closure) managed as one recovery unit. See the
 /// [module docs](self) for what each fidelity keeps and how it is counted.
 pub struct OpaqueUnit<M> {
@@ -255,8 +258,7 @@ impl<M: Module> OpaqueUnit<M> {
     pub fn forward<'m>(&'m self, cx: &mut Cx<'m>, x: &Var) -> Result<Var> {
         let cost = Ok(self.cost_of(x.tensor()));
         let input = x.clone();
-        let body: Rc<dyn Fn(&mut Cx<'m>) -> Result<Var> + 'm> =
-            Rc::new(move |cx: &mut Cx<'m>| self.run(cx, &input));
+        let body: Body<'m> = Rc::new(move |cx: &mut Cx<'m>| self.run(cx, &input));
         run_unit(cx, self.desc, cost, vec![x.clone()], body)
     }
 

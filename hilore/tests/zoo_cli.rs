@@ -112,7 +112,7 @@ fn score_prints_completion_logprobs_given_the_prompt() {
     // The same numbers from the library, one sequence at a time: <s> prompt completion.
     let (model, cfg, _) = zoo::load(&dir, &Device::Cpu).unwrap();
     for (row, seq) in [(0, vec![1u32, 2, 3, 4, 5, 2, 6]), (2, vec![1, 2, 3, 3])] {
-        let b = TokenBatch::from_sequences(&[seq.clone()], &cfg, &Device::Cpu).unwrap();
+        let b = TokenBatch::from_sequences(std::slice::from_ref(&seq), &cfg, &Device::Cpu).unwrap();
         let lp: Vec<f32> = model
             .token_logprobs(&mut Cx::inference(), &b)
             .unwrap()
