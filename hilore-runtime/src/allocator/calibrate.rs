@@ -1,9 +1,11 @@
 //! Calibration: measure recompute and codec times and the per-unit sensitivity `kappa`
 //! on real passes, through a [`Runner`] that runs one microbatch under a plan.
 //!
-//! - Recompute time: for every unit that may be recomputed, one pass with every instance
-//!   of that unit recomputed; the tape's recompute time divided by the instance count is
-//!   one sample of the unit's fit (at that microbatch's shape).
+//! - Recompute time: for every unit that may be recomputed and every calibration
+//!   microbatch, a pass with every instance of that unit recomputed; the tape's
+//!   recompute time divided by the instance count is one sample of the unit's fit (at
+//!   that microbatch's shape). On the kappa microbatch these ride along the compression
+//!   passes below (recompute is exact and timed separately from encode / decode).
 //! - Codec time and `kappa`: for every unit with activation slots and every codec, one
 //!   pass with every instance of the unit compressed; the tape's encode / decode times
 //!   over the values encoded give the codec's rates, and the parameter-gradient error
@@ -97,24 +99,13 @@ pub fn calibrate(
         .costs
         .set_prior(fwd / mbs.len().max(1) as f64, top_cost);
 
-    for (&unit, idx) in &units {
-        let d = alloc.descriptor(idx[0]);
-        if !d.offers(Fidelity::Recompute) {
-            continue;
-        }
-        for (m, mb) in mbs.iter().enumerate() {
-            let plan = Plan::store_all()
-                .with_unit(unit, Fidelity::Recompute)
-                .named(format!("calibrate recompute {unit}"));
-            let r = runner.run(m, &plan)?;
-            report.passes += 1;
-            progress(unit);
-            let per = r.times.recompute.as_secs_f64() / idx.len() as f64;
-            alloc.costs.observe_recompute(unit, mb.shape, per);
-            report.recompute_seconds.push((unit.to_string(), m, per));
-        }
-    }
-    let kmb = &mbs[kappa_mb];
+    // Units that may be recomputed; units with activation slots x codecs.
+    let recomputable: Vec<&'static str> = units
+        .iter()
+        .filter(|(_, idx)| alloc.descriptor(idx[0]).offers(Fidelity::Recompute))
+        .map(|(u, _)| *u)
+        .collect();
+    let mut compress: Vec<(&'static str, &'static str, usize)> = Vec::new();
     for (&unit, idx) in &units {
         let values: usize = idx
             .iter()
@@ -124,40 +115,98 @@ pub fn calibrate(
             continue;
         }
         for &codec in codecs {
-            let f = Fidelity::Compress(codec);
-            if !alloc.descriptor(idx[0]).offers(f) {
-                continue;
+            if alloc.descriptor(idx[0]).offers(Fidelity::Compress(codec)) {
+                compress.push((unit, codec, values));
             }
+        }
+    }
+    // On the kappa microbatch a compress pass also times one recompute (of a unit that
+    // neither encloses nor is enclosed by the compressed one, so the two timings do not
+    // overlap; recompute is exact, so the gradient error is the compression's alone).
+    let inst_copy = alloc.instances().to_vec();
+    let nested = |a: &str, b: &str| {
+        let inst = &inst_copy;
+        let inside = |x: &str, y: &str| {
+            inst.iter().any(|i| {
+                i.unit == y && {
+                    let mut p = i.parent;
+                    let mut hit = false;
+                    while let Some(k) = p {
+                        hit |= inst[k].unit == x;
+                        p = inst[k].parent;
+                    }
+                    hit
+                }
+            })
+        };
+        a == b || inside(a, b) || inside(b, a)
+    };
+    let mut pending: Vec<&'static str> = recomputable.clone();
+    let kmb = &mbs[kappa_mb];
+    for &(unit, codec, values) in &compress {
+        let rc = pending
+            .iter()
+            .position(|r| !nested(r, unit))
+            .map(|k| pending.remove(k));
+        let mut plan = Plan::store_all()
+            .with_unit(unit, Fidelity::Compress(codec))
+            .named(format!("calibrate {unit} {codec}"));
+        if let Some(r) = rc {
+            plan = plan.with_unit(r, Fidelity::Recompute);
+        }
+        let r = runner.run(kappa_mb, &plan)?;
+        report.passes += 1;
+        progress(unit);
+        if let Some(rcu) = rc {
+            let per = r.times.recompute.as_secs_f64() / units[rcu].len() as f64;
+            alloc.costs.observe_recompute(rcu, kmb.shape, per);
+            report
+                .recompute_seconds
+                .push((rcu.to_string(), kappa_mb, per));
+        }
+        alloc.costs.observe_codec(
+            codec,
+            values,
+            r.times.encode.as_secs_f64(),
+            r.times.decode.as_secs_f64(),
+        );
+        let (err, _, _) = grad_error(&r.grads, &exact[kappa_mb]);
+        let idx = &units[unit];
+        report.compress_errors.push((
+            unit.to_string(),
+            codec.to_string(),
+            err,
+            kmb.exposure,
+            idx.len(),
+        ));
+        let kappa = if kmb.exposure > 0.0 {
+            err / kmb.exposure / idx.len() as f64
+        } else {
+            0.0
+        };
+        for &i in idx {
+            let b = &inst_copy[i];
+            alloc.risk.set_kappa(b.unit, b.call, codec, kappa);
+        }
+    }
+    // Recompute timings not yet taken: every other microbatch, and what is left on the
+    // kappa microbatch.
+    for (m, mb) in mbs.iter().enumerate() {
+        let todo: Vec<&'static str> = if m == kappa_mb {
+            pending.clone()
+        } else {
+            recomputable.clone()
+        };
+        for unit in todo {
             let plan = Plan::store_all()
-                .with_unit(unit, f)
-                .named(format!("calibrate {unit} {codec}"));
-            let r = runner.run(kappa_mb, &plan)?;
+                .with_unit(unit, Fidelity::Recompute)
+                .named(format!("calibrate recompute {unit}"));
+            let r = runner.run(m, &plan)?;
             report.passes += 1;
             progress(unit);
-            alloc.costs.observe_codec(
-                codec,
-                values,
-                r.times.encode.as_secs_f64(),
-                r.times.decode.as_secs_f64(),
-            );
-            let (err, _, _) = grad_error(&r.grads, &exact[kappa_mb]);
-            report.compress_errors.push((
-                unit.to_string(),
-                codec.to_string(),
-                err,
-                kmb.exposure,
-                idx.len(),
-            ));
-            let kappa = if kmb.exposure > 0.0 {
-                err / kmb.exposure / idx.len() as f64
-            } else {
-                0.0
-            };
-            for &i in idx {
-                let b = &alloc.instances()[i];
-                let (u, c) = (b.unit, b.call);
-                alloc.risk.set_kappa(u, c, codec, kappa);
-            }
+            let per = r.times.recompute.as_secs_f64() / units[unit].len() as f64;
+            alloc.costs.observe_recompute(unit, mb.shape, per);
+            report.recompute_seconds.push((unit.to_string(), m, per));
         }
     }
     Ok(report)

@@ -636,22 +636,34 @@ impl Allocator {
         // 3. Exact check of every plan (the capacity was searched without the risk
         // term; a different selection may have another transient).
         let mut out = Vec::with_capacity(mbs.len());
-        for (p, mut s) in problems.iter().zip(sel) {
+        let mut risks: Vec<f64> = sel.iter().map(|s| s.risk).collect();
+        for (k, (p, mut s)) in problems.iter().zip(sel).enumerate() {
             let mut plan = self.plan_of_selection("hilore", p, &s.picks);
             let mut peak = self.simulate_peak(&plan)?;
             checks += 1;
             let mut q = p.clone();
             let mut tries = 0;
             while peak as i64 > avail {
+                // Shrink this microbatch's capacity by the overshoot and re-solve it within
+                // the risk the other microbatches leave.
                 tries += 1;
                 q.capacity -= (peak as i64 - avail).max(1);
                 if tries > 32 || q.capacity < q.min_bytes() {
                     return Err(self.infeasible_memory(total_budget, offer));
                 }
-                s = self
-                    .solver
-                    .solve_at(&q, s.lambda)
-                    .map_err(|e| Error::Tape(e.to_string()))?;
+                let others: f64 = risks
+                    .iter()
+                    .enumerate()
+                    .filter(|(j, _)| *j != k)
+                    .map(|(_, r)| r)
+                    .sum();
+                q.risk_budget = (risk_budget - others).max(0.0);
+                s = self.solver.solve(&q).map_err(|e| {
+                    Error::Tape(format!(
+                        "no plan fits the memory budget of {total_budget} bytes within the risk budget: {e}"
+                    ))
+                })?;
+                risks[k] = s.risk;
                 plan = self.plan_of_selection("hilore", &q, &s.picks);
                 peak = self.simulate_peak(&plan)?;
                 checks += 1;

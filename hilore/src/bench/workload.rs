@@ -59,12 +59,12 @@ pub struct StepSpec {
 /// `spec.rows_per_microbatch` rows.
 ///
 /// Per prompt: a length uniform in 24..=96 tokens and a solve rate `p` that is 0 with
-/// probability 0.15 (too hard), 1 with probability 0.10 (too easy) and uniform in (0, 1)
-/// otherwise. Each of the `group` responses is correct with probability `p` (reward 1,
+/// probability 0.15 (too hard), 1 with probability 0.10 (too easy) and uniform in
+/// (0.1, 0.9) otherwise. Each of the `group` responses is correct with probability `p` (reward 1,
 /// else 0) and has `32 + Exp(mean 110)` tokens (capped at 384), correct ones 30% shorter.
 /// Advantages are GRPO's `(R - mean) / (std + 1e-6)` within the group, so a group whose
-/// rewards are all equal has advantage 0 (about 40% of groups with these rates: the
-/// familiar share of GRPO groups that carry no signal); per-token coefficients are
+/// rewards are all equal has advantage 0 (about a third of the groups with these rates
+/// and 8 responses per prompt: the familiar share of GRPO groups that carry no signal); per-token coefficients are
 /// `c = -A / (response tokens of the step)` on response tokens (token-mean aggregation,
 /// one update epoch, no KL: `rho = 1`, the case where `c` is known before the forward) and
 /// 0 on prompt tokens. Sequences are packed in group order; a microbatch's leftover rows
@@ -96,7 +96,7 @@ pub fn grpo_step(
         } else if u < 0.25 {
             1.0
         } else {
-            unit()
+            0.1 + 0.8 * unit()
         };
         let mut group = Vec::new();
         for _ in 0..spec.group {

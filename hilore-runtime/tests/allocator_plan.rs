@@ -1,0 +1,248 @@
+//! The allocator on a real tape: its predicted peak equals the measured ledger peak byte
+//! for byte, it respects the budget, never recomputes a unit that is not deterministic,
+//! names the smallest feasible budget when asked for less, and gives zero-exposure
+//! microbatches the cheapest feasible fidelity.
+//!
+//! Costs are set by hand (not measured) so the expected choices are unambiguous: recompute
+//! is 20x slower than encode + decode of the same unit.
+
+use candle_core::{DType, Device, Tensor};
+use hilore_runtime::allocator::{Allocator, MicrobatchInput, MicrobatchShape, Offer, StateBytes};
+use hilore_runtime::{recovery_unit, Cx, Fidelity, Grads, Plan, Result, Var};
+
+struct Block {
+    w1: Var,
+    w2: Var,
+}
+
+impl Block {
+    #[recovery_unit(name = "up", cost = 2 * x.dim(0)? * x.dim(1)? * 64, deterministic)]
+    fn up(&self, cx: &mut Cx, x: &Var) -> Result<Var> {
+        let h = cx.linear(x, &self.w1, None)?;
+        cx.silu(&h)
+    }
+
+    #[recovery_unit(name = "down", cost = 2 * h.dim(0)? * h.dim(1)? * 16, deterministic)]
+    fn down(&self, cx: &mut Cx, h: &Var, x: &Var) -> Result<Var> {
+        let y = cx.linear(h, &self.w2, None)?;
+        cx.add(x, &y)
+    }
+
+    #[recovery_unit(name = "block", cost = 4 * x.dim(0)? * x.dim(1)? * 64, deterministic)]
+    fn forward(&self, cx: &mut Cx, x: &Var) -> Result<Var> {
+        let h = self.up(cx, x)?;
+        self.down(cx, &h, x)
+    }
+}
+
+struct Model {
+    blocks: Vec<Block>,
+    out: Var,
+}
+
+impl Model {
+    /// Not `deterministic`: the allocator must never offer it Recompute.
+    #[recovery_unit(name = "noisy_head", cost = 2 * x.dim(0)? * x.dim(1)? * 16)]
+    fn head(&self, cx: &mut Cx, x: &Var) -> Result<Var> {
+        let y = cx.linear(x, &self.out, None)?;
+        cx.silu(&y)
+    }
+
+    fn forward<'m>(&'m self, cx: &mut Cx<'m>, x: &Var) -> Result<Var> {
+        let mut x = x.clone();
+        for b in &self.blocks {
+            x = b.forward(cx, &x)?;
+        }
+        self.head(cx, &x)
+    }
+}
+
+const N: usize = 96;
+const D: usize = 16;
+
+fn model(dev: &Device) -> Model {
+    let w = |o: usize, i: usize, s: u64| {
+        let v: Vec<f32> = (0..o * i)
+            .map(|k| (((k as u64 * 2654435761 + s * 97) % 1000) as f32 / 1000.0 - 0.5) * 0.3)
+            .collect();
+        Var::param(Tensor::from_vec(v, (o, i), dev).unwrap())
+    };
+    Model {
+        blocks: (0..3)
+            .map(|b| Block {
+                w1: w(64, D, 2 * b),
+                w2: w(D, 64, 2 * b + 1),
+            })
+            .collect(),
+        out: w(D, D, 99),
+    }
+}
+
+fn input(dev: &Device) -> Var {
+    let v: Vec<f32> = (0..N * D)
+        .map(|k| ((k * 37 % 101) as f32 / 50.0) - 1.0)
+        .collect();
+    Var::constant(Tensor::from_vec(v, (N, D), dev).unwrap())
+}
+
+fn seed(dev: &Device) -> Tensor {
+    let v: Vec<f32> = (0..N * D)
+        .map(|k| ((k * 13 % 17) as f32 / 8.0) - 1.0)
+        .collect();
+    Tensor::from_vec(v, (N, D), dev).unwrap()
+}
+
+fn measured_peak(m: &Model, plan: &Plan) -> usize {
+    let dev = Device::Cpu;
+    let mut cx = Cx::new(plan.clone());
+    let y = m.forward(&mut cx, &input(&dev)).unwrap();
+    cx.backward(&y, &seed(&dev), &mut Grads::new()).unwrap();
+    cx.memory().peak_bytes()
+}
+
+const CODEC: &str = "fp8-e4m3-b32";
+const STATE: StateBytes = StateBytes {
+    params: 1000,
+    grads: 1000,
+    optimizer: 2000,
+};
+
+fn allocator(m: &Model) -> Allocator {
+    let dev = Device::Cpu;
+    let mut cx = Cx::new(Plan::store_all()).profiling(true);
+    let y = m.forward(&mut cx, &input(&dev)).unwrap();
+    cx.backward(&y, &seed(&dev), &mut Grads::new()).unwrap();
+    let profile = cx.profile().unwrap();
+    let mut a = Allocator::new(profile, &cx.unit_instances(), STATE, &[CODEC]).unwrap();
+    let shape = shape();
+    a.costs.observe_recompute("block", shape, 2e-3);
+    a.costs.observe_recompute("up", shape, 1.4e-3);
+    a.costs.observe_recompute("down", shape, 0.6e-3);
+    a.costs.observe_recompute("noisy_head", shape, 0.5e-3);
+    // 1e-8 s per value each way: compressing a unit costs about 1/20 of recomputing it.
+    a.costs.observe_codec(CODEC, 1_000_000, 0.01, 0.01);
+    for b in a.instances().to_vec() {
+        a.risk.set_kappa(b.unit, b.call, CODEC, 1e-3);
+    }
+    a
+}
+
+fn shape() -> MicrobatchShape {
+    MicrobatchShape {
+        tokens: N,
+        sum_sq_lengths: N * N,
+    }
+}
+
+fn full() -> Offer {
+    Offer {
+        codecs: vec![CODEC],
+        recompute: true,
+        open_groups: true,
+    }
+}
+
+#[test]
+fn predicted_peak_is_measured_and_within_budget() {
+    let m = model(&Device::Cpu);
+    let a = allocator(&m);
+    let (least, _) = a.least_memory(&full()).unwrap();
+    let store = measured_peak(&m, &Plan::store_all());
+    assert!(least < store);
+    let mut planned = 0;
+    for k in 0..=8 {
+        let act = least + (store - least) * k / 8;
+        let budget = STATE.total() + act;
+        for (exposure, risk) in [(1.0, f64::INFINITY), (1.0, 5e-3), (0.0, 0.0)] {
+            let mb = MicrobatchInput {
+                shape: shape(),
+                exposure,
+            };
+            let d = a.plan(&mb, budget, risk, &full()).unwrap();
+            let measured = measured_peak(&m, &d.plan);
+            assert_eq!(measured, d.predicted_peak_bytes, "budget {budget}");
+            assert!(d.predicted_total_bytes <= budget);
+            assert!(d.predicted_risk <= risk);
+            for b in a.instances() {
+                if b.unit == "noisy_head" {
+                    assert_ne!(
+                        d.plan.fidelity_for(a.descriptor(b.index), b.call),
+                        Fidelity::Recompute
+                    );
+                }
+            }
+            planned += 1;
+        }
+    }
+    assert_eq!(planned, 27);
+}
+
+#[test]
+fn infeasible_budget_names_the_smallest_feasible_one() {
+    let m = model(&Device::Cpu);
+    let a = allocator(&m);
+    let mb = MicrobatchInput {
+        shape: shape(),
+        exposure: 0.0,
+    };
+    let (least, plan) = a.least_memory(&full()).unwrap();
+    assert_eq!(measured_peak(&m, &plan), least);
+    let smallest = STATE.total() + least;
+    let err = a
+        .plan(&mb, smallest - 1, f64::INFINITY, &full())
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains(&format!("smallest feasible budget is {smallest} bytes")),
+        "{err}"
+    );
+    let d = a.plan(&mb, smallest, f64::INFINITY, &full()).unwrap();
+    assert!(d.predicted_total_bytes <= smallest);
+    // Below the fixed state nothing fits either, and the message says so.
+    let err = a
+        .plan(&mb, 10, f64::INFINITY, &full())
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("fixed state"), "{err}");
+}
+
+#[test]
+fn zero_exposure_gets_the_cheapest_feasible_fidelity() {
+    let m = model(&Device::Cpu);
+    let a = allocator(&m);
+    let store = measured_peak(&m, &Plan::store_all());
+    let (least, _) = a.least_memory(&full()).unwrap();
+    // A budget that forces most units off Store.
+    let budget = STATE.total() + least + (store - least) / 3;
+    let zero = MicrobatchInput {
+        shape: shape(),
+        exposure: 0.0,
+    };
+    let d0 = a.plan(&zero, budget, 0.0, &full()).unwrap();
+    // With zero exposure compression is free of risk and 20x cheaper than recompute: the
+    // plan uses no more recompute time than the all-compress alternative would.
+    let recomputes: Vec<_> = d0.counts.iter().filter(|(f, _)| f == "recompute").collect();
+    let compressed: usize = d0
+        .counts
+        .iter()
+        .filter(|(f, _)| f.starts_with("compress"))
+        .map(|(_, n)| n)
+        .sum();
+    assert!(compressed > 0, "{:?}", d0.counts);
+    // The same memory with exposure and no risk allowed must avoid compression and pay
+    // for recompute instead.
+    let hot = MicrobatchInput {
+        shape: shape(),
+        exposure: 5.0,
+    };
+    let d1 = a.plan(&hot, budget, 0.0, &full()).unwrap();
+    assert!(d1.counts.iter().all(|(f, _)| !f.starts_with("compress")));
+    assert!(d0.predicted_seconds < d1.predicted_seconds);
+    // And zero exposure is exactly as fast as an unlimited risk budget allows.
+    let free = a.plan(&hot, budget, f64::INFINITY, &full()).unwrap();
+    assert!(
+        (d0.predicted_seconds - free.predicted_seconds).abs() < 1e-12,
+        "{recomputes:?}"
+    );
+    let _ = DType::F32;
+}
