@@ -30,7 +30,7 @@
 //! ids.extend(tok.encode_completion(" Paris")?);
 //! let batch = hilore_models::TokenBatch::from_sequences(&[ids], &cfg, &Device::Cpu)?;
 //! let logp = model.token_logprobs(&mut Cx::inference(), &batch)?;
-//! println!("{logp}");
+//! println!("{}", logp.tensor());
 //! zoo::export(&model, &cfg, "out/")?;
 //! # Ok(())
 //! # }
