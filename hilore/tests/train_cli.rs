@@ -1,0 +1,430 @@
+//! `hilore train` end to end at a tiny size: metrics and summary files, bit-identical
+//! resume (after a clean stop and after a kill), every task and policy, bad input.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+fn hilore(args: &[&str]) -> (i32, String, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_hilore"))
+        .args(args)
+        .output()
+        .expect("the hilore binary runs");
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+fn tmp(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("hilore-train-cli-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+/// A tiny run: a 1-layer model, a short warm start, small groups. Flags in `extra`
+/// replace the defaults of the same name.
+fn tiny(dir: &Path, extra: &[&str]) -> Vec<String> {
+    let defaults: [(&str, &str); 15] = [
+        ("--layers", "1"),
+        ("--hidden", "16"),
+        ("--heads", "2"),
+        ("--kv-heads", "1"),
+        ("--intermediate", "32"),
+        ("--sft-steps", "30"),
+        ("--sft-target-loss", "0"),
+        ("--sft-batch", "16"),
+        ("--prompts", "4"),
+        ("--group-size", "4"),
+        ("--heldout", "16"),
+        ("--eval-samples", "1"),
+        ("--lr", "1e-3"),
+        ("--seed", "3"),
+        ("--steps", "2"),
+    ];
+    let mut v: Vec<String> = vec!["train".into(), "--no-progress".into()];
+    for (flag, value) in defaults {
+        if !extra.contains(&flag) {
+            v.push(flag.into());
+            v.push(value.into());
+        }
+    }
+    for (flag, file) in [
+        ("--checkpoint", "run.ckpt"),
+        ("--metrics", "metrics.jsonl"),
+        ("--summary", "summary.json"),
+    ] {
+        v.push(flag.into());
+        v.push(dir.join(file).display().to_string());
+    }
+    v.extend(extra.iter().map(|s| s.to_string()));
+    v
+}
+
+fn run_ok(args: &[String]) -> String {
+    let a: Vec<&str> = args.iter().map(String::as_str).collect();
+    let (code, out, err) = hilore(&a);
+    assert_eq!(code, 0, "hilore {a:?}\nstdout:\n{out}\nstderr:\n{err}");
+    out
+}
+
+/// The metrics lines without their timing fields (wall times and rates differ between
+/// runs; everything else is determined by the seed).
+fn deterministic_metrics(dir: &Path) -> Vec<serde_json::Value> {
+    std::fs::read_to_string(dir.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| {
+            let mut v: serde_json::Value = serde_json::from_str(l).unwrap();
+            let o = v.as_object_mut().unwrap();
+            o.retain(|k, _| !k.ends_with("_seconds") && !k.ends_with("_per_s"));
+            v
+        })
+        .collect()
+}
+
+fn summary(dir: &Path) -> serde_json::Value {
+    serde_json::from_str(&std::fs::read_to_string(dir.join("summary.json")).unwrap()).unwrap()
+}
+
+/// The checkpoint's tensor bytes (everything after the header).
+fn checkpoint_tensors(dir: &Path) -> Vec<u8> {
+    let b = std::fs::read(dir.join("run.ckpt")).unwrap();
+    let n = u64::from_le_bytes(b[16..24].try_into().unwrap()) as usize;
+    b[24 + n..].to_vec()
+}
+
+#[test]
+fn metrics_and_summary_have_the_documented_fields() {
+    let dir = tmp("fields");
+    let out = run_ok(&tiny(&dir, &["--steps", "3"]));
+    assert!(out.contains("held-out accuracy"), "{out}");
+    assert!(out.contains("tok/s"), "{out}");
+    let m = deterministic_metrics(&dir);
+    assert_eq!(m.len(), 3);
+    let raw: Vec<serde_json::Value> = std::fs::read_to_string(dir.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    for (i, line) in raw.iter().enumerate() {
+        assert_eq!(line["step"], i + 1);
+        for key in [
+            "reward_mean",
+            "accuracy",
+            "response_len_mean",
+            "kl",
+            "clip_fraction",
+            "update_tokens_per_s",
+            "rollout_tokens_per_s",
+            "peak_activation_bytes",
+            "optimizer_state_bytes",
+        ] {
+            assert!(
+                line[key].is_number(),
+                "metrics line {i} lacks a numeric `{key}`: {line}"
+            );
+        }
+        assert!(line["peak_activation_bytes"].as_u64().unwrap() > 0);
+        assert!(line["update_tokens_per_s"].as_f64().unwrap() > 0.0);
+    }
+    let s = summary(&dir);
+    for key in [
+        "heldout_accuracy_before",
+        "heldout_accuracy_after",
+        "seconds",
+    ] {
+        assert!(s[key].is_number(), "summary lacks `{key}`: {s}");
+    }
+    assert_eq!(s["steps"], 3);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn resume_after_a_stop_is_bit_identical() {
+    // Countdown's format reward makes groups differ even for a tiny model, so the
+    // policy moves every step and the comparison is not between frozen weights.
+    let with = |extra: &[&'static str]| -> Vec<&'static str> {
+        [&["--task", "countdown"][..], extra].concat()
+    };
+    let a = tmp("resume-a");
+    run_ok(&tiny(
+        &a,
+        &with(&["--steps", "6", "--checkpoint-every", "2"]),
+    ));
+    let m = deterministic_metrics(&a);
+    assert!(
+        m.iter()
+            .all(|l| l["exposure_total"].as_f64().unwrap() > 0.0),
+        "every step updates the policy"
+    );
+    assert!(
+        m[5]["kl"].as_f64().unwrap() > 0.0,
+        "the policy moved away from the warm start"
+    );
+    let b = tmp("resume-b");
+    let out = run_ok(&tiny(
+        &b,
+        &with(&[
+            "--steps",
+            "6",
+            "--checkpoint-every",
+            "2",
+            "--stop-after",
+            "3",
+        ]),
+    ));
+    assert!(out.contains("stopped after step 3"), "{out}");
+    assert!(
+        !b.join("summary.json").exists(),
+        "a stopped run writes no summary"
+    );
+    let out = run_ok(&tiny(
+        &b,
+        &with(&["--steps", "6", "--checkpoint-every", "2", "--resume"]),
+    ));
+    assert!(out.contains("resumed from"), "{out}");
+    assert_eq!(deterministic_metrics(&a), deterministic_metrics(&b));
+    assert_eq!(
+        checkpoint_tensors(&a),
+        checkpoint_tensors(&b),
+        "final weights and optimizer state"
+    );
+    let (sa, sb) = (summary(&a), summary(&b));
+    for key in [
+        "heldout_accuracy_before",
+        "heldout_accuracy_after",
+        "heldout_greedy_accuracy_after",
+        "heldout_reward_mean_after",
+        "final_reward_mean",
+        "steps",
+    ] {
+        assert_eq!(sa[key], sb[key], "{key}");
+    }
+    assert_eq!(sb["resumed_from_step"], 3);
+    // --steps may grow on resume: the first 6 steps stay what they were.
+    run_ok(&tiny(&b, &with(&["--steps", "7", "--resume"])));
+    let m = deterministic_metrics(&b);
+    assert_eq!(m.len(), 7);
+    assert_eq!(m[..6], deterministic_metrics(&a)[..]);
+    std::fs::remove_dir_all(&a).unwrap();
+    std::fs::remove_dir_all(&b).unwrap();
+}
+
+#[test]
+fn resume_after_a_kill_matches_an_uninterrupted_run() {
+    // Enough steps (a few milliseconds each) that the kill lands mid-run.
+    const STEPS: usize = 120;
+    let steps = STEPS.to_string();
+    let a = tmp("kill-a");
+    run_ok(&tiny(&a, &["--task", "countdown", "--steps", &steps]));
+    let b = tmp("kill-b");
+    let args = tiny(
+        &b,
+        &[
+            "--task",
+            "countdown",
+            "--steps",
+            &steps,
+            "--checkpoint-every",
+            "1",
+        ],
+    );
+    let mut child = Command::new(env!("CARGO_BIN_EXE_hilore"))
+        .args(&args)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    // Kill it (SIGKILL: no cleanup, possibly mid-write) once it has logged a few steps.
+    let t0 = Instant::now();
+    let mut logged = 0;
+    while logged < 3 && t0.elapsed() < Duration::from_secs(300) {
+        assert!(
+            child.try_wait().unwrap().is_none(),
+            "the run ended before it could be killed"
+        );
+        logged = std::fs::read_to_string(b.join("metrics.jsonl"))
+            .map(|s| s.lines().count())
+            .unwrap_or(0);
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    child.kill().unwrap();
+    child.wait().unwrap();
+    let at_kill = std::fs::read_to_string(b.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .count();
+    assert!(
+        at_kill < STEPS,
+        "killed mid-run (after {at_kill} of {STEPS} steps)"
+    );
+    let mut resume = args.clone();
+    resume.push("--resume".into());
+    run_ok(&resume);
+    assert_eq!(deterministic_metrics(&a), deterministic_metrics(&b));
+    assert_eq!(
+        summary(&a)["heldout_accuracy_after"],
+        summary(&b)["heldout_accuracy_after"]
+    );
+    assert_eq!(checkpoint_tensors(&a), checkpoint_tensors(&b));
+    std::fs::remove_dir_all(&a).unwrap();
+    std::fs::remove_dir_all(&b).unwrap();
+}
+
+#[test]
+fn every_task_and_policy_runs() {
+    let dir = tmp("tasks");
+    let data = dir.join("data.jsonl");
+    let mut lines = String::new();
+    for i in 0..40 {
+        lines.push_str(&format!(
+            "{{\"prompt\": \"{i}+1=\", \"answer\": \"add one #### {}\"}}\n",
+            i + 1
+        ));
+    }
+    std::fs::write(&data, lines).unwrap();
+    let data = data.display().to_string();
+    for extra in [
+        vec!["--task", "countdown", "--steps", "2"],
+        vec![
+            "--task",
+            "jsonl",
+            "--data",
+            &data,
+            "--heldout",
+            "8",
+            "--steps",
+            "2",
+        ],
+        vec![
+            "--policy",
+            "recompute",
+            "--steps",
+            "2",
+            "--epochs",
+            "2",
+            "--beta",
+            "0.1",
+        ],
+        vec![
+            "--policy",
+            "compress-int8-b32",
+            "--steps",
+            "2",
+            "--aggregation",
+            "seq-mean-token-mean",
+        ],
+        vec![
+            "--steps",
+            "2",
+            "--skip-zero-exposure",
+            "--adv-norm",
+            "none",
+            "--group-size",
+            "1",
+        ],
+        vec![
+            "--steps",
+            "2",
+            "--token-budget",
+            "12",
+            "--temperature",
+            "0.7",
+            "--top-p",
+            "0.9",
+        ],
+    ] {
+        let out = run_ok(&tiny(&dir, &extra));
+        assert!(out.contains("done:"), "{extra:?}: {out}");
+        let m = deterministic_metrics(&dir);
+        assert_eq!(m.len(), 2, "{extra:?}");
+        if extra.contains(&"--group-size") {
+            // G = 1: every advantage is 0, every sequence skipped, nothing run.
+            assert_eq!(m[0]["update_tokens"], 0, "{extra:?}");
+            assert_eq!(m[0]["skipped_sequences"], 4, "{extra:?}");
+        }
+        if extra.contains(&"12") {
+            assert!(
+                m[0]["microbatches"].as_u64().unwrap() > 1,
+                "a small budget packs several microbatches"
+            );
+        }
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn bad_input_is_a_clear_error() {
+    let dir = tmp("bad");
+    let err_of = |extra: &[&str]| {
+        let args = tiny(&dir, extra);
+        let a: Vec<&str> = args.iter().map(String::as_str).collect();
+        let (code, _, err) = hilore(&a);
+        assert_eq!(code, 2, "{extra:?} should fail: {err}");
+        assert!(!err.contains("panicked"), "{err}");
+        err
+    };
+    let e = err_of(&["--task", "sudoku"]);
+    assert!(
+        e.contains("unknown task `sudoku`") && e.contains("arithmetic, countdown, jsonl"),
+        "{e}"
+    );
+    let e = err_of(&["--task", "jsonl"]);
+    assert!(e.contains("--data"), "{e}");
+    let bad = dir.join("bad.jsonl");
+    std::fs::write(
+        &bad,
+        "{\"prompt\": \"1+1=\", \"answer\": \"2\"}\n\n{\"prompt\": \"2+2=\", \"answer\": 4}\n{\"prompt\": \"3+3=\" \"answer\": \"6\"}\n",
+    )
+    .unwrap();
+    let bads = bad.display().to_string();
+    let e = err_of(&["--task", "jsonl", "--data", &bads]);
+    assert!(
+        e.contains(&format!("{bads}:4")),
+        "file and line number: {e}"
+    );
+    std::fs::write(&bad, "{\"prompt\": \"q\", \"answer\": \"none\"}\n").unwrap();
+    let e = err_of(&["--task", "jsonl", "--data", &bads]);
+    assert!(
+        e.contains(&format!("{bads}:1")) && e.contains("final number"),
+        "{e}"
+    );
+    std::fs::write(&bad, "{\"prompt\": 5, \"answer\": \"1\"}\n").unwrap();
+    let e = err_of(&["--task", "jsonl", "--data", &bads]);
+    assert!(
+        e.contains(&format!("{bads}:1")) && e.contains("\"prompt\""),
+        "{e}"
+    );
+    let e = err_of(&["--task", "jsonl", "--data", "/nonexistent/data.jsonl"]);
+    assert!(e.contains("/nonexistent/data.jsonl"), "{e}");
+    let e = err_of(&["--token-budget", "4"]);
+    assert!(
+        e.contains("--token-budget 4 is smaller than one sequence"),
+        "{e}"
+    );
+    let e = err_of(&["--policy", "fast"]);
+    assert!(
+        e.contains("unknown --policy `fast`") && e.contains("compress-<codec>"),
+        "{e}"
+    );
+    let e = err_of(&["--policy", "compress-fp3"]);
+    assert!(e.contains("fp3"), "{e}");
+    let e = err_of(&["--eps-low", "1.5"]);
+    assert!(e.contains("eps_low"), "{e}");
+    let e = err_of(&["--aggregation", "sum"]);
+    assert!(e.contains("token-mean"), "{e}");
+    let e = err_of(&["--digits", "0"]);
+    assert!(e.contains("--digits"), "{e}");
+    let e = err_of(&["--hidden", "15"]);
+    assert!(e.contains("--hidden 15"), "{e}");
+    let e = err_of(&["--resume"]);
+    assert!(e.contains("run.ckpt"), "a missing checkpoint is named: {e}");
+    // A checkpoint from other settings is refused, naming what differs.
+    run_ok(&tiny(&dir, &["--steps", "1"]));
+    let e = err_of(&["--steps", "2", "--resume", "--group-size", "2"]);
+    assert!(e.contains("group_size: checkpoint 4, now 2"), "{e}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
