@@ -21,7 +21,26 @@ pub struct CandleDecoder {
 
 impl CandleDecoder {
     /// Copies every parameter of `model` (same values, new storage).
+    /// Refuses configs with features this reference does not model (per-head q/k norm,
+    /// an `o_proj` bias, sliding windows, RoPE scaling), rather than silently comparing
+    /// against a different model.
     pub fn from_decoder(model: &Decoder) -> Result<Self, ModelError> {
+        let cfg = model.config();
+        let unsupported = [
+            (cfg.qk_norm(), "per-head q/k RMSNorm (qwen3)"),
+            (cfg.o_proj_bias(), "an o_proj bias"),
+            (
+                (0..cfg.num_hidden_layers).any(|l| cfg.layer_window(l).is_some()),
+                "sliding-window attention",
+            ),
+            (cfg.rope_scaling.is_some(), "RoPE scaling"),
+        ];
+        if let Some((_, what)) = unsupported.iter().find(|(on, _)| *on) {
+            return Err(ModelError::Batch(format!(
+                "the candle-autograd reference models plain Llama/Qwen2 decoders, not {what}; \
+                 compare such models against candle-transformers instead"
+            )));
+        }
         let mut names = Vec::new();
         let mut vars = HashMap::new();
         for (name, v) in model.named_params() {
