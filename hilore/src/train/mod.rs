@@ -837,7 +837,12 @@ pub fn run(args: TrainArgs) -> anyhow::Result<ExitCode> {
         run.save(&args.checkpoint)?;
         (run, None)
     };
-    let seconds_before = run.state.seconds_total;
+    // Wall time of earlier processes of this run (a fresh run's own time is t_start's).
+    let seconds_before = if resumed_from.is_some() {
+        run.state.seconds_total
+    } else {
+        0.0
+    };
 
     let upd = UpdateSettings {
         grpo: settings.grpo,
