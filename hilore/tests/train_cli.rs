@@ -128,6 +128,14 @@ fn metrics_and_summary_have_the_documented_fields() {
             );
         }
         assert!(line["peak_activation_bytes"].as_u64().unwrap() > 0);
+        // The log-probs recorded while sampling (KV cache) and those of the update's
+        // forward (the training path) are the same policy's: within the f32 bound of the
+        // generation tests (2e-5, see models/tests/generate.rs).
+        let mismatch = line["logp_mismatch_max"].as_f64().unwrap();
+        assert!(
+            mismatch <= 2e-5,
+            "step {i}: rollout vs update log-probs differ by {mismatch}"
+        );
         assert!(line["update_tokens_per_s"].as_f64().unwrap() > 0.0);
     }
     let s = summary(&dir);

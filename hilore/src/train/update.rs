@@ -349,6 +349,32 @@ mod tests {
         assert_eq!(rep_kept.skipped_tokens, 4 + 5 + 3);
         assert_eq!(rep_all.zero_exposure_sequences, 3);
         assert!(rep_kept.update_tokens < rep_all.update_tokens);
+        // An empty response (no token to train) is counted and left out of every
+        // microbatch; a budget below one sequence is an error naming the fix.
+        let mut r2 = r.clone();
+        r2.seqs[5].truncate(3);
+        r2.response_lens[5] = 0;
+        r2.sampled_logp[5].clear();
+        let s = UpdateSettings {
+            grpo: GrpoConfig::default(),
+            token_budget: 64,
+            plan: hilore_models::plans::store_all(),
+            skip_zero_exposure: false,
+        };
+        let mut rep = UpdateReport::default();
+        let packs = select_and_pack(&r2, &adv, &s, &mut rep).unwrap();
+        assert_eq!(rep.empty_sequences, 1);
+        assert!(packs.iter().all(|p| !p.contains(&5)));
+        let mut rep = UpdateReport::default();
+        let tight = UpdateSettings {
+            token_budget: 5,
+            ..s
+        };
+        let err = format!(
+            "{:#}",
+            select_and_pack(&r, &adv, &tight, &mut rep).unwrap_err()
+        );
+        assert!(err.contains("raise the budget to at least 6"), "{err}");
         for (name, p) in model.named_params() {
             let a: Vec<f32> = all
                 .get(p.id())
