@@ -2,7 +2,7 @@
 //!
 //! Generation reuses the decoder's own unit methods under [`Cx::inference`] for every piece
 //! of the model except the attention core: the embedding, and per layer `attn_norm`, `qkv`
-//! (with [`RopeTables::from_positions`] for the new tokens' positions), `attn_out`,
+//! (with the config's RoPE tables, scaling included, for the new tokens' positions), `attn_out`,
 //! `mlp_norm`, `gate_up` and `down`; then the final norm and the LM head on the last
 //! position. So a change to a unit (a per-head norm inside `qkv`, say) applies to
 //! generation without touching this file. Only the attention is written here: the new
@@ -47,7 +47,7 @@
 use crate::rng::SplitMix64;
 use crate::{Decoder, ModelError};
 use candle_core::{DType, Device, Tensor, D};
-use hilore_runtime::{Cx, Packing, RopeTables, Var};
+use hilore_runtime::{Cx, Packing, Var};
 
 /// How to sample.
 #[derive(Debug, Clone, PartialEq)]
@@ -287,16 +287,21 @@ impl<'a> Session<'a> {
         let n = b * tq;
         let mut cx = Cx::inference();
         let ids = Var::constant(Tensor::from_vec(ids.to_vec(), n, &self.device)?);
-        let rope = RopeTables::from_positions(
-            positions,
-            cfg.head_dim,
-            cfg.rope_theta,
-            DType::F32,
-            &self.device,
-        )?;
-        let mask = self.mask(tq)?;
+        // The config's tables: RoPE scaling (llama3, linear) applies here too.
+        let rope = cfg.rope_tables(positions, DType::F32, &self.device)?;
+        // One mask per distinct sliding window (Mistral, windowed Qwen layers).
+        let mut masks: Vec<(Option<usize>, Tensor)> = Vec::new();
         let mut x = model.embed(&mut cx, &ids)?;
         for (l, layer) in model.layers().iter().enumerate() {
+            let window = layer.self_attn.window();
+            let mask = match masks.iter().find(|(w, _)| *w == window) {
+                Some((_, m)) => m.clone(),
+                None => {
+                    let m = self.mask(tq, window)?;
+                    masks.push((window, m.clone()));
+                    m
+                }
+            };
             let h = layer.attn_norm(&mut cx, &x)?;
             let (q, k, v) = layer.self_attn.qkv(&mut cx, &h, &rope)?;
             let o = self.attend(l, &q, &k, &v, tq, &mask)?;
@@ -315,8 +320,9 @@ impl<'a> Session<'a> {
     }
 
     /// `[B, 1, tq, len + tq]`: 0 where query `j` (slot `len + j`) may read key slot `s`
-    /// (`pad[b] <= s <= len + j`, or `s = len + j` itself), `-inf` elsewhere.
-    fn mask(&self, tq: usize) -> Result<Tensor, ModelError> {
+    /// (`pad[b] <= s <= len + j`, or `s = len + j` itself; with a sliding window `W`
+    /// also `len + j - s < W`, the training op's rule), `-inf` elsewhere.
+    fn mask(&self, tq: usize, window: Option<usize>) -> Result<Tensor, ModelError> {
         let t = self.len + tq;
         let mut m = vec![f32::NEG_INFINITY; self.rows() * tq * t];
         for (b, &pad) in self.pad.iter().enumerate() {
@@ -324,7 +330,8 @@ impl<'a> Session<'a> {
                 let q = self.len + j;
                 let row = &mut m[(b * tq + j) * t..(b * tq + j + 1) * t];
                 for (s, v) in row.iter_mut().enumerate().take(q + 1) {
-                    if s >= pad || s == q {
+                    let in_window = window.is_none_or(|w| q - s < w);
+                    if (s >= pad && in_window) || s == q {
                         *v = 0.0;
                     }
                 }
@@ -409,7 +416,8 @@ pub fn last_token_logits(model: &Decoder, seqs: &[Vec<u32>]) -> Result<Tensor, M
     }
     let lengths: Vec<usize> = seqs.iter().map(Vec::len).collect();
     let packing = Packing::new(&lengths, &device)?;
-    let rope = RopeTables::new(&packing, cfg.head_dim, cfg.rope_theta, DType::F32, &device)?;
+    let positions: Vec<u32> = packing.positions().to_vec1()?;
+    let rope = cfg.rope_tables(&positions, DType::F32, &device)?;
     let flat: Vec<u32> = seqs.concat();
     let n = flat.len();
     let mut cx = Cx::inference();

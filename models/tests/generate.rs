@@ -46,7 +46,23 @@ fn config(bias: bool) -> DecoderConfig {
 /// A model whose logits are far from uniform (weights scaled up), so that comparisons are
 /// not between near-constant rows.
 fn model(bias: bool, seed: u64) -> Decoder {
-    let m = Decoder::random(&config(bias), seed, &Device::Cpu).unwrap();
+    model_of(&config(bias), seed)
+}
+
+/// Mistral with a sliding window of 3 keys (shorter than the prompts, so it masks), and
+/// Qwen3 with its per-head q/k norm and linear RoPE scaling: the cache must apply both.
+fn zoo_variants() -> Vec<DecoderConfig> {
+    let mut mistral = config(false);
+    mistral.model_type = Some("mistral".into());
+    mistral.sliding_window = Some(3);
+    let mut qwen3 = config(false);
+    qwen3.model_type = Some("qwen3".into());
+    qwen3.rope_scaling = Some(hilore_models::RopeScaling::Linear { factor: 4.0 });
+    vec![mistral, qwen3]
+}
+
+fn model_of(cfg: &DecoderConfig, seed: u64) -> Decoder {
+    let m = Decoder::random(cfg, seed, &Device::Cpu).unwrap();
     let mut m = m;
     for (name, p) in m.named_params_mut() {
         if !name.contains("norm") {
@@ -85,8 +101,11 @@ fn assert_logits_close(got: &Tensor, want: &Tensor, what: &str) {
 
 #[test]
 fn kv_cache_logits_equal_full_recompute() {
-    for bias in [false, true] {
-        let m = model(bias, 3);
+    let mut cfgs = vec![config(false), config(true)];
+    cfgs.extend(zoo_variants());
+    for cfg in cfgs {
+        let m = model_of(&cfg, 3);
+        let bias = cfg.model_type.clone().unwrap_or_default();
         let prompts: Vec<Vec<u32>> = vec![
             vec![5, 9, 2],
             vec![1, 2, 3, 4, 5, 6, 7],
