@@ -94,6 +94,92 @@ impl Tokenizer {
     }
 }
 
+/// The tokenizer of a training run: the built-in character/byte tokenizer of a task, or a
+/// zoo model's `tokenizer.json` with the config's end-of-sequence token.
+///
+/// Prompts and responses are encoded separately and concatenated, as GRPO trainers do:
+/// a prompt gets the special tokens the tokenizer adds to a sequence (the built-in BOS, or
+/// whatever the zoo tokenizer's post-processor adds), a response none; every response
+/// ends with the stop token.
+#[derive(Debug, Clone)]
+pub enum TrainTokenizer {
+    Builtin(Tokenizer),
+    Zoo {
+        tokenizer: Box<hilore_models::Tokenizer>,
+        /// The stop token of generation (the first of the config's `eos_token_id`s).
+        eos: u32,
+        /// Every end-of-sequence id; decoding stops at the first of any of them.
+        eos_ids: Vec<u32>,
+    },
+}
+
+impl TrainTokenizer {
+    /// A description that identifies the tokenizer (stored in checkpoints): for a zoo
+    /// tokenizer a hash of its `tokenizer.json` text, so a resume with another file is
+    /// refused.
+    pub fn describe(&self) -> String {
+        match self {
+            TrainTokenizer::Builtin(t) => t.describe(),
+            TrainTokenizer::Zoo {
+                tokenizer, eos_ids, ..
+            } => {
+                // FNV-1a, 64 bits: stable across builds and platforms.
+                let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+                for b in tokenizer.json().bytes() {
+                    h ^= b as u64;
+                    h = h.wrapping_mul(0x0100_0000_01b3);
+                }
+                format!(
+                    "tokenizer.json fnv1a64:{h:016x} ({} ids), eos {eos_ids:?}",
+                    tokenizer.vocab_size()
+                )
+            }
+        }
+    }
+
+    /// The stop token of generation, appended to every warm-start solution.
+    pub fn eos(&self) -> u32 {
+        match self {
+            TrainTokenizer::Builtin(_) => EOS,
+            TrainTokenizer::Zoo { eos, .. } => *eos,
+        }
+    }
+
+    /// The ids of a prompt, with the tokenizer's special tokens (the built-in BOS, or the
+    /// zoo tokenizer's post-processor).
+    pub fn encode_prompt(&self, text: &str) -> anyhow::Result<Vec<u32>> {
+        match self {
+            TrainTokenizer::Builtin(t) => t.encode_prompt(text),
+            TrainTokenizer::Zoo { tokenizer, .. } => Ok(tokenizer.encode_prompt(text)?),
+        }
+    }
+
+    /// The ids of a response (no special tokens, no stop token).
+    pub fn encode_completion(&self, text: &str) -> anyhow::Result<Vec<u32>> {
+        match self {
+            TrainTokenizer::Builtin(t) => t.encode(text),
+            TrainTokenizer::Zoo { tokenizer, .. } => Ok(tokenizer.encode_completion(text)?),
+        }
+    }
+
+    /// The text of a response's ids, up to (not including) the first end-of-sequence id;
+    /// special tokens are skipped.
+    pub fn decode(&self, ids: &[u32]) -> anyhow::Result<String> {
+        match self {
+            TrainTokenizer::Builtin(t) => Ok(t.decode(ids)),
+            TrainTokenizer::Zoo {
+                tokenizer, eos_ids, ..
+            } => {
+                let end = ids
+                    .iter()
+                    .position(|t| eos_ids.contains(t))
+                    .unwrap_or(ids.len());
+                Ok(tokenizer.decode(&ids[..end], true)?)
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -172,6 +172,11 @@ impl Jsonl {
         &self.heldout
     }
 
+    /// Every example, training and held out.
+    pub fn examples(&self) -> impl Iterator<Item = &Example> {
+        self.train.iter().chain(&self.heldout)
+    }
+
     /// 1 when the response's final answer equals the reference's, else 0 (no final
     /// number: 0).
     pub fn reward(&self, ex: &Example, response: &str) -> Reward {

@@ -159,6 +159,15 @@ impl Task {
         }
     }
 
+    /// Every example of a dataset task (training and held out); `None` for procedural
+    /// tasks, whose problems are drawn without end.
+    pub fn dataset_examples(&self) -> Option<Vec<&Example>> {
+        match self {
+            Task::Jsonl(t) => Some(t.examples().collect()),
+            _ => None,
+        }
+    }
+
     /// Whether training may draw `ex`: procedural tasks redraw prompts that are in the
     /// held-out set.
     pub fn is_procedural(&self) -> bool {

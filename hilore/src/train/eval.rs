@@ -1,7 +1,7 @@
 //! Held-out evaluation: greedy and sampled accuracy on examples training never draws.
 
 use crate::tasks::{Example, Task};
-use crate::tokenizer::{Tokenizer, EOS};
+use crate::tokenizer::TrainTokenizer;
 use hilore_models::generate::{generate, SamplingConfig};
 use hilore_models::Decoder;
 
@@ -27,7 +27,7 @@ pub struct EvalReport {
 pub fn evaluate(
     model: &Decoder,
     task: &Task,
-    tokenizer: &Tokenizer,
+    tokenizer: &TrainTokenizer,
     examples: &[Example],
     sampling: &SamplingConfig,
     samples: usize,
@@ -41,22 +41,22 @@ pub fn evaluate(
             .collect::<anyhow::Result<Vec<_>>>()?;
         let greedy = SamplingConfig {
             temperature: 0.0,
-            stop_token: Some(EOS),
+            stop_token: Some(tokenizer.eos()),
             ..sampling.clone()
         };
         for (g, ex) in generate(model, &prompts, &greedy)?.iter().zip(chunk) {
-            greedy_ok += task.reward(ex, &tokenizer.decode(&g.tokens)).correct as usize;
+            greedy_ok += task.reward(ex, &tokenizer.decode(&g.tokens)?).correct as usize;
         }
         for s in 0..samples {
             let cfg = SamplingConfig {
-                stop_token: Some(EOS),
+                stop_token: Some(tokenizer.eos()),
                 seed: sampling
                     .seed
                     .wrapping_add((c * samples.max(1) + s) as u64 * 0x9E37_79B9),
                 ..sampling.clone()
             };
             for (g, ex) in generate(model, &prompts, &cfg)?.iter().zip(chunk) {
-                let r = task.reward(ex, &tokenizer.decode(&g.tokens));
+                let r = task.reward(ex, &tokenizer.decode(&g.tokens)?);
                 ok += r.correct as usize;
                 reward += r.value as f64;
                 n += 1;

@@ -1,14 +1,17 @@
 //! `hilore train`: warm start, then GRPO with rollouts, rewards, pre-backward
 //! coefficients and a microbatched actor update under a fidelity policy.
 //!
-//! The run: build the task and its tokenizer; build a decoder (random init, seeded);
-//! warm-start it by supervised fine-tuning on the task's reference solutions; evaluate it on
+//! The run: build the task and its tokenizer; build a decoder (random init, seeded, or a
+//! zoo model directory with `--model`, whose tokenizer.json and `eos_token_id` then replace
+//! the built-in tokenizer); warm-start it by supervised fine-tuning on the task's reference
+//! solutions (off by default for `--model`); evaluate it on
 //! a held-out set that training never draws from; then for every GRPO step sample `G`
 //! responses to each of `P` prompts with the KV cache, score them, turn rewards into
 //! group-relative advantages, and run `mu` update epochs over the sequences (microbatches
 //! packed by a token budget, each under the `--policy` fidelity plan, backward seeded with
 //! the per-token coefficients `dL/dlogp`, AdamW with gradient clipping); finally evaluate
-//! again and write the summary.
+//! again, write the summary and, with `--out`, export the trained weights as a model
+//! directory.
 //!
 //! Every random choice is a pure function of `--seed` and the step (counter-based streams),
 //! so a checkpoint's RNG state is the seed and the next step; with the weights, the
@@ -24,15 +27,15 @@ mod update;
 
 use crate::common::human_bytes;
 use crate::tasks::{Example, Task, TaskSpec, TASK_NAMES};
-use crate::tokenizer::Tokenizer;
+use crate::tokenizer::TrainTokenizer;
 use anyhow::{bail, Context};
-use candle_core::{Device, Tensor};
+use candle_core::{DType, Device, Tensor};
 use checkpoint::{Checkpoint, NamedTensor};
 use clap::Args;
 use eval::{evaluate, EvalReport};
 use hilore_models::generate::SamplingConfig;
 use hilore_models::rng::SplitMix64;
-use hilore_models::{plans, Decoder, DecoderConfig};
+use hilore_models::{plans, zoo, Decoder, DecoderConfig};
 use hilore_runtime::grpo::{self, AdvantageNorm, Aggregation, GrpoConfig};
 use hilore_runtime::{Fidelity, Plan};
 use indicatif::{ProgressBar, ProgressStyle};
@@ -49,8 +52,9 @@ use update::{actor_update, UpdateSettings};
 pub struct TrainArgs {
     // ----- task
     /// The task: `arithmetic`, `countdown`, or `jsonl` (a dataset given by --data).
-    #[arg(long, default_value = "arithmetic", help_heading = "Task")]
-    task: String,
+    /// Default: `jsonl` when --data or --model is given, else `arithmetic`.
+    #[arg(long, help_heading = "Task")]
+    task: Option<String>,
     /// Arithmetic: digits per operand.
     #[arg(long, default_value_t = 2, help_heading = "Task")]
     digits: usize,
@@ -78,6 +82,13 @@ pub struct TrainArgs {
     eval_samples: usize,
 
     // ----- model
+    /// A Hugging Face / candle-zoo model directory (config.json, model.safetensors or a
+    /// sharded index, tokenizer.json) to train instead of a random init: prompts and
+    /// responses go through its tokenizer.json, generation stops at the config's
+    /// `eos_token_id`, and the warm start is off unless --sft-steps is given. Needs a
+    /// dataset task (--data FILE.jsonl).
+    #[arg(long, value_name = "DIR", help_heading = "Model")]
+    model: Option<PathBuf>,
     /// An HF config.json for the policy (random init); default: a small decoder sized by
     /// the flags below, with the task tokenizer's vocabulary.
     #[arg(long, value_name = "FILE", help_heading = "Model")]
@@ -94,9 +105,10 @@ pub struct TrainArgs {
     intermediate: usize,
 
     // ----- warm start
-    /// Most supervised warm-start steps (0: start GRPO from the random init).
-    #[arg(long, default_value_t = 2000, help_heading = "Warm start")]
-    sft_steps: usize,
+    /// Most supervised warm-start steps (0: start GRPO from the initial weights).
+    /// Default: 2000, or 0 with --model (a zoo model is already trained).
+    #[arg(long, help_heading = "Warm start")]
+    sft_steps: Option<usize>,
     /// Stop the warm start once the moving average of its loss (nats per solution token)
     /// falls below this, so GRPO starts from a partly competent policy whatever the seed;
     /// 0 runs all --sft-steps.
@@ -188,9 +200,31 @@ pub struct TrainArgs {
     /// Stop after GRPO step N, after writing the checkpoint, as an interrupted run would.
     #[arg(long, value_name = "N", help_heading = "Run")]
     stop_after: Option<usize>,
+    /// After the last GRPO step, write the trained policy to DIR as a Hugging Face model
+    /// directory (config.json, model.safetensors in f32 with the same tensor names and,
+    /// with --model, the model's tokenizer.json).
+    #[arg(long, value_name = "DIR", help_heading = "Run")]
+    out: Option<PathBuf>,
     /// No progress bars.
     #[arg(long, help_heading = "Run")]
     no_progress: bool,
+}
+
+impl TrainArgs {
+    /// The task's name: --task, else `jsonl` when a dataset or a zoo model is given.
+    fn task_name(&self) -> String {
+        match &self.task {
+            Some(t) => t.clone(),
+            None if self.data.is_some() || self.model.is_some() => "jsonl".into(),
+            None => "arithmetic".into(),
+        }
+    }
+
+    /// The warm start's most steps: --sft-steps, else 2000 (built-in) or 0 (--model).
+    fn sft_steps(&self) -> usize {
+        self.sft_steps
+            .unwrap_or(if self.model.is_some() { 0 } else { 2000 })
+    }
 }
 
 /// Everything that fixes the run's trajectory; stored in checkpoints and compared on
@@ -201,6 +235,9 @@ struct RunSettings {
     heldout: usize,
     eval_samples: usize,
     model: DecoderConfig,
+    /// The zoo model directory the run started from (absent for a random init).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    model_dir: Option<PathBuf>,
     tokenizer: String,
     sft_steps: usize,
     sft_target_loss: f64,
@@ -245,9 +282,16 @@ struct RngState {
 #[derive(Debug, Clone, Copy, Serialize, Deserialize)]
 struct WarmStart {
     steps: usize,
+    /// NaN (JSON null) when the warm start ran no step.
+    #[serde(deserialize_with = "nan_if_null")]
     final_loss: f64,
     seconds: f64,
     tokens_per_s: f64,
+}
+
+/// An `f64` that JSON stores as null when it is NaN.
+fn nan_if_null<'de, D: serde::Deserializer<'de>>(d: D) -> Result<f64, D::Error> {
+    Ok(Option::<f64>::deserialize(d)?.unwrap_or(f64::NAN))
 }
 
 /// One `--metrics` line.
@@ -285,6 +329,11 @@ struct StepMetrics {
 #[derive(Debug, Serialize)]
 struct Summary {
     task: String,
+    /// The zoo model directory trained (absent for a random init).
+    model_dir: Option<String>,
+    tokenizer: String,
+    /// Where --out wrote the trained weights.
+    exported_to: Option<String>,
     model_params: usize,
     policy: String,
     seed: u64,
@@ -344,7 +393,14 @@ fn policy_plan(policy: &str) -> anyhow::Result<Plan> {
 }
 
 impl RunSettings {
-    fn from_args(a: &TrainArgs, task: &Task, tokenizer: &Tokenizer) -> anyhow::Result<Self> {
+    /// The settings of `a`; `zoo` is the config of --model, `default_max_new_tokens` the
+    /// task's longest solution in tokens + 1.
+    fn from_args(
+        a: &TrainArgs,
+        tokenizer: &TrainTokenizer,
+        zoo: Option<&DecoderConfig>,
+        default_max_new_tokens: usize,
+    ) -> anyhow::Result<Self> {
         let grpo = GrpoConfig {
             eps_low: a.eps_low,
             eps_high: a.eps_high,
@@ -355,8 +411,15 @@ impl RunSettings {
             epochs: a.epochs,
         };
         grpo.validate().context("GRPO settings")?;
-        let model = match &a.config {
-            Some(p) => {
+        let model = match (&a.config, zoo, tokenizer) {
+            (Some(_), Some(_), _) => bail!(
+                "--config and --model both give the model; --model DIR uses DIR/config.json, so drop --config"
+            ),
+            (None, Some(cfg), _) => cfg.clone(),
+            (_, None, TrainTokenizer::Zoo { .. }) => {
+                bail!("a zoo tokenizer needs its model: pass --model DIR")
+            }
+            (Some(p), None, TrainTokenizer::Builtin(tokenizer)) => {
                 let cfg = DecoderConfig::from_json_file(p)?;
                 if cfg.vocab_size < tokenizer.vocab_size() {
                     bail!(
@@ -369,7 +432,7 @@ impl RunSettings {
                 }
                 cfg
             }
-            None => {
+            (None, None, TrainTokenizer::Builtin(tokenizer)) => {
                 if a.heads == 0 || a.hidden % a.heads != 0 {
                     bail!(
                         "--hidden {} is not a multiple of --heads {}; the head size is hidden / heads",
@@ -410,7 +473,7 @@ impl RunSettings {
         if a.checkpoint_every == 0 {
             bail!("--checkpoint-every is 0; it must be at least 1");
         }
-        let max_new_tokens = a.max_new_tokens.unwrap_or(task.max_solution_chars() + 1);
+        let max_new_tokens = a.max_new_tokens.unwrap_or(default_max_new_tokens);
         if max_new_tokens == 0 {
             bail!("--max-new-tokens is 0; responses need at least one token");
         }
@@ -419,8 +482,9 @@ impl RunSettings {
             heldout: a.heldout,
             eval_samples: a.eval_samples,
             model,
+            model_dir: a.model.clone(),
             tokenizer: tokenizer.describe(),
-            sft_steps: a.sft_steps,
+            sft_steps: a.sft_steps(),
             sft_target_loss: a.sft_target_loss,
             sft_batch: a.sft_batch,
             sft_lr: a.sft_lr,
@@ -445,12 +509,12 @@ impl RunSettings {
         })
     }
 
-    fn sampling(&self, seed: u64) -> SamplingConfig {
+    fn sampling(&self, seed: u64, stop_token: u32) -> SamplingConfig {
         SamplingConfig {
             max_new_tokens: self.max_new_tokens,
             temperature: self.temperature,
             top_p: self.top_p,
-            stop_token: Some(crate::tokenizer::EOS),
+            stop_token: Some(stop_token),
             seed,
         }
     }
@@ -466,7 +530,7 @@ impl RunSettings {
 
 fn spec_of(a: &TrainArgs) -> TaskSpec {
     TaskSpec {
-        name: a.task.clone(),
+        name: a.task_name(),
         digits: a.digits,
         ops: a.ops.clone(),
         numbers: a.numbers,
@@ -671,31 +735,68 @@ fn truncate_metrics(path: &Path, step: usize) -> anyhow::Result<()> {
 pub fn run(args: TrainArgs) -> anyhow::Result<ExitCode> {
     let t_start = Instant::now();
     let device = Device::Cpu;
-    if !TASK_NAMES.contains(&args.task.as_str()) {
+    let task_name = args.task_name();
+    if !TASK_NAMES.contains(&task_name.as_str()) {
         bail!(
-            "unknown task `{}`; the tasks are {} (jsonl reads --data FILE)",
-            args.task,
+            "unknown task `{task_name}`; the tasks are {} (jsonl reads --data FILE)",
             TASK_NAMES.join(", ")
         );
     }
+    if args.model.is_some() && task_name != "jsonl" {
+        bail!(
+            "--model trains a zoo model on a dataset, but --task is `{task_name}`: pass --data FILE.jsonl (task jsonl); the procedural tasks use the built-in tokenizer and a random init"
+        );
+    }
     let task = Task::new(&spec_of(&args), args.heldout)?;
-    let tokenizer = task.tokenizer();
-    let settings = RunSettings::from_args(&args, &task, &tokenizer)?;
-    let plan = policy_plan(&settings.policy)?;
-    let heldout = task.heldout(settings.heldout, settings.seed);
+    let (tokenizer, zoo_cfg) = match &args.model {
+        Some(dir) => {
+            let (tok, cfg) = zoo_tokenizer(dir)?;
+            (tok, Some(cfg))
+        }
+        None => (TrainTokenizer::Builtin(task.tokenizer()), None),
+    };
+    let heldout = task.heldout(args.heldout, args.seed);
     if heldout.is_empty() {
         bail!("the held-out set is empty; raise --heldout");
+    }
+    // The longest prompt and solution in tokens: the built-in tokenizers give at most one
+    // token per byte after BOS; a zoo tokenizer encodes every example of the dataset.
+    let (longest_prompt, longest_solution) = match (&tokenizer, task.dataset_examples()) {
+        (TrainTokenizer::Zoo { .. }, Some(examples)) => {
+            let (mut p, mut s) = (0usize, 0usize);
+            for e in examples {
+                p = p.max(tokenizer.encode_prompt(&e.prompt)?.len());
+                s = s.max(tokenizer.encode_completion(&e.solution)?.len());
+            }
+            (p, s)
+        }
+        _ => (
+            1 + heldout
+                .iter()
+                .map(|e| e.prompt.len())
+                .max()
+                .unwrap_or(0)
+                .max(task.max_prompt_chars()),
+            task.max_solution_chars(),
+        ),
+    };
+    let settings =
+        RunSettings::from_args(&args, &tokenizer, zoo_cfg.as_ref(), longest_solution + 1)?;
+    let plan = policy_plan(&settings.policy)?;
+    if let (Some(out), Some(dir)) = (&args.out, &args.model) {
+        if let (Ok(a), Ok(b)) = (out.canonicalize(), dir.canonicalize()) {
+            if a == b {
+                bail!(
+                    "--out {} is the --model directory; the export would overwrite the original weights: pick another directory",
+                    out.display()
+                );
+            }
+        }
     }
     let heldout_prompts: HashSet<String> = heldout.iter().map(|e| e.prompt.clone()).collect();
     // An impossible budget is an error before any work: the longest sequence a step can
     // make must fit one microbatch.
-    let longest_prompt = heldout
-        .iter()
-        .map(|e| e.prompt.len())
-        .max()
-        .unwrap_or(0)
-        .max(task.max_prompt_chars());
-    let longest = 1 + longest_prompt + settings.max_new_tokens.max(task.max_solution_chars() + 1);
+    let longest = longest_prompt + settings.max_new_tokens.max(longest_solution + 1);
     if settings.token_budget < longest - 1 {
         bail!(
             "--token-budget {} is smaller than one sequence: the longest prompt + response is {} tokens ({} rows); raise --token-budget to at least {}",
@@ -713,7 +814,7 @@ pub fn run(args: TrainArgs) -> anyhow::Result<ExitCode> {
         );
     }
     let progress = !args.no_progress;
-    let eval_sampling = settings.sampling(stream_seed(settings.seed, "eval"));
+    let eval_sampling = settings.sampling(stream_seed(settings.seed, "eval"), tokenizer.eos());
     println!(
         "task {} | policy {} | seed {} | {} held-out prompts",
         task.describe(),
@@ -735,7 +836,14 @@ pub fn run(args: TrainArgs) -> anyhow::Result<ExitCode> {
         let step = run.state.step;
         (run, Some(step))
     } else {
-        let mut model = Decoder::random(&settings.model, settings.seed, &device)?;
+        let mut model = match &args.model {
+            Some(dir) => {
+                let tensors = zoo::load_weights(dir, &settings.model, &device)?;
+                println!("model: {}", dir.display());
+                Decoder::from_tensors(&settings.model, &tensors)?
+            }
+            None => Decoder::random(&settings.model, settings.seed, &device)?,
+        };
         println!(
             "model: {} layers, hidden {}, {} heads ({} kv), vocab {}, {} parameters",
             settings.model.num_hidden_layers,
@@ -876,8 +984,10 @@ pub fn run(args: TrainArgs) -> anyhow::Result<ExitCode> {
             settings.prompts,
             &heldout_prompts,
         )?;
-        let sampling =
-            settings.sampling(stream_seed(settings.seed, &format!("grpo-sample-{step}")));
+        let sampling = settings.sampling(
+            stream_seed(settings.seed, &format!("grpo-sample-{step}")),
+            tokenizer.eos(),
+        );
         let ro = rollout::rollout(
             &run.model,
             &task,
@@ -1000,9 +1110,33 @@ pub fn run(args: TrainArgs) -> anyhow::Result<ExitCode> {
             v.iter().sum::<f64>() / v.len() as f64
         }
     };
+    let exported_to = match &args.out {
+        Some(out) => {
+            let zoo_tok = match &tokenizer {
+                TrainTokenizer::Zoo { tokenizer, .. } => Some(&**tokenizer),
+                TrainTokenizer::Builtin(_) => None,
+            };
+            zoo::export_with(&run.model, run.model.config(), zoo_tok, out, DType::F32)
+                .with_context(|| format!("exporting the trained weights to {}", out.display()))?;
+            println!(
+                "exported the trained weights to {} (config.json, model.safetensors{})",
+                out.display(),
+                if zoo_tok.is_some() {
+                    ", tokenizer.json"
+                } else {
+                    ""
+                }
+            );
+            Some(out.display().to_string())
+        }
+        None => None,
+    };
     let seconds = t_start.elapsed().as_secs_f64();
     let summary = Summary {
         task: task.describe(),
+        model_dir: args.model.as_ref().map(|d| d.display().to_string()),
+        tokenizer: settings.tokenizer.clone(),
+        exported_to,
         model_params: run.model.num_params(),
         policy: plan.name().to_string(),
         seed: settings.seed,
@@ -1041,6 +1175,50 @@ pub fn run(args: TrainArgs) -> anyhow::Result<ExitCode> {
             .with_context(|| format!("writing summary {}", p.display()))?;
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// The tokenizer of a zoo model directory and its config: `tokenizer.json` is required,
+/// and the stop token is the config's `eos_token_id` (the first, if a list), else the
+/// tokenizer's `</s>`-style end token.
+fn zoo_tokenizer(dir: &Path) -> anyhow::Result<(TrainTokenizer, DecoderConfig)> {
+    let cfg = zoo::load_config(dir)?;
+    let path = dir.join(zoo::TOKENIZER_FILE);
+    let Some(tok) = zoo::load_tokenizer(dir, &cfg)? else {
+        bail!(
+            "{}: not found; `hilore train --model` needs the model's tokenizer.json to turn prompts and responses into ids: copy it from the model's repository into {}",
+            path.display(),
+            dir.display()
+        );
+    };
+    let config = dir.join(zoo::CONFIG_FILE);
+    let mut eos_ids = cfg.eos_token_ids();
+    if eos_ids.is_empty() {
+        const END_TOKENS: [&str; 4] = ["</s>", "<|endoftext|>", "<eos>", "<|end_of_text|>"];
+        eos_ids.extend(END_TOKENS.iter().filter_map(|t| tok.token_id(t)).take(1));
+        if eos_ids.is_empty() {
+            bail!(
+                "{}: no `eos_token_id`, and {} has none of the end tokens {END_TOKENS:?}: generation needs a stop token; add `\"eos_token_id\": <id of the end-of-sequence token>` to {}",
+                config.display(),
+                path.display(),
+                config.display()
+            );
+        }
+    }
+    if let Some(&bad) = eos_ids.iter().find(|&&e| e as usize >= cfg.vocab_size) {
+        bail!(
+            "{}: `eos_token_id` {bad} is not below `vocab_size` {}; expected the id of the end-of-sequence token",
+            config.display(),
+            cfg.vocab_size
+        );
+    }
+    Ok((
+        TrainTokenizer::Zoo {
+            tokenizer: Box::new(tok),
+            eos: eos_ids[0],
+            eos_ids,
+        },
+        cfg,
+    ))
 }
 
 /// A separate copy of `model`'s weights (the frozen reference policy).

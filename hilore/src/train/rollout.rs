@@ -1,7 +1,7 @@
 //! Rollout: `G` sampled responses per prompt with the KV cache, their rewards.
 
 use crate::tasks::{Example, Task};
-use crate::tokenizer::{Tokenizer, EOS};
+use crate::tokenizer::TrainTokenizer;
 use hilore_models::generate::{generate, SamplingConfig};
 use hilore_models::Decoder;
 use std::time::Instant;
@@ -14,9 +14,9 @@ pub struct Rollout {
     pub examples: Vec<Example>,
     /// Prompt ids followed by response ids, per sequence.
     pub seqs: Vec<Vec<u32>>,
-    /// Prompt tokens of each sequence (BOS included).
+    /// Prompt tokens of each sequence (the tokenizer's special tokens included).
     pub prompt_lens: Vec<usize>,
-    /// Response tokens of each sequence (EOS included when sampled).
+    /// Response tokens of each sequence (the stop token included when sampled).
     pub response_lens: Vec<usize>,
     /// Log-prob of every response token as recorded during sampling.
     pub sampled_logp: Vec<Vec<f32>>,
@@ -66,7 +66,7 @@ fn mean(it: impl Iterator<Item = f64>) -> f64 {
 pub fn rollout(
     model: &Decoder,
     task: &Task,
-    tokenizer: &Tokenizer,
+    tokenizer: &TrainTokenizer,
     examples: Vec<Example>,
     group_size: usize,
     sampling: &SamplingConfig,
@@ -80,7 +80,7 @@ pub fn rollout(
         }
     }
     let sampling = SamplingConfig {
-        stop_token: Some(EOS),
+        stop_token: Some(tokenizer.eos()),
         ..sampling.clone()
     };
     let gens = generate(model, &prompts, &sampling)?;
@@ -98,7 +98,7 @@ pub fn rollout(
     };
     for (i, (p, g)) in prompts.into_iter().zip(gens).enumerate() {
         let ex = &examples[i / group_size];
-        let text = tokenizer.decode(&g.tokens);
+        let text = tokenizer.decode(&g.tokens)?;
         let reward = task.reward(ex, &text);
         r.prompt_lens.push(p.len());
         r.response_lens.push(g.tokens.len());

@@ -5,7 +5,7 @@
 use super::optimizer::AdamW;
 use super::update::Micro;
 use crate::tasks::Example;
-use crate::tokenizer::{Tokenizer, EOS};
+use crate::tokenizer::TrainTokenizer;
 use anyhow::Context;
 use hilore_models::Decoder;
 use hilore_runtime::grpo::pack_by_token_budget;
@@ -26,7 +26,7 @@ pub struct SftStep {
 pub fn sft_step(
     model: &mut Decoder,
     opt: &mut AdamW,
-    tokenizer: &Tokenizer,
+    tokenizer: &TrainTokenizer,
     examples: &[Example],
     token_budget: usize,
     plan: &Plan,
@@ -36,8 +36,8 @@ pub fn sft_step(
     for ex in examples {
         let mut s = tokenizer.encode_prompt(&ex.prompt)?;
         prompt_lens.push(s.len());
-        s.extend(tokenizer.encode(&ex.solution)?);
-        s.push(EOS);
+        s.extend(tokenizer.encode_completion(&ex.solution)?);
+        s.push(tokenizer.eos());
         seqs.push(s);
     }
     let targets: usize = seqs
