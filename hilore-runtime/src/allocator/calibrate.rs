@@ -12,6 +12,9 @@
 //!   against the exact (store-all) gradient, divided by the exposure and shared equally
 //!   among the unit's instances, gives `kappa` of each instance (so the summed risk of
 //!   that calibration plan equals its measured error).
+//! - Additivity: one pass per codec with every unit compressed; measured error over the
+//!   summed predictions (the largest over codecs) scales the risk budget
+//!   ([`super::RiskModel::additivity_ratio`]).
 //! - The gradient-norm scale: `||sum of exact gradients|| / sum of exposures` over the
 //!   calibration microbatches.
 
@@ -45,6 +48,8 @@ pub struct CalibrationReport {
     pub compress_errors: Vec<(String, String, f64, f64, usize)>,
     /// (unit, microbatch, seconds per instance).
     pub recompute_seconds: Vec<(String, usize, f64)>,
+    /// (codec, summed predicted risk, measured error) with every unit compressed.
+    pub additivity: Vec<(String, f64, f64)>,
     /// Passes run.
     pub passes: usize,
 }
@@ -189,6 +194,38 @@ pub fn calibrate(
             alloc.risk.set_kappa(b.unit, b.call, codec, kappa);
         }
     }
+    // Additivity: every compressible unit compressed at once with each codec; the
+    // measured error against the summed per-unit predictions. The largest ratio (the
+    // least favourable) calibrates the risk budget.
+    let mut rho: Option<f64> = None;
+    for &codec in codecs {
+        let f = Fidelity::Compress(codec);
+        let mut plan = Plan::store_all().named(format!("calibrate all {codec}"));
+        let mut predicted = 0.0;
+        for (&unit, idx) in &units {
+            if compress.iter().any(|(u, c, _)| *u == unit && *c == codec) {
+                plan = plan.with_unit(unit, f);
+                for &i in idx {
+                    let b = &inst_copy[i];
+                    predicted += alloc
+                        .risk
+                        .risk(b.unit, b.call, codec, kmb.exposure)
+                        .unwrap_or(0.0);
+                }
+            }
+        }
+        if predicted <= 0.0 {
+            continue;
+        }
+        let r = runner.run(kappa_mb, &plan)?;
+        report.passes += 1;
+        progress("additivity");
+        let (err, _, _) = grad_error(&r.grads, &exact[kappa_mb]);
+        report.additivity.push((codec.to_string(), predicted, err));
+        let ratio = err / predicted;
+        rho = Some(rho.map_or(ratio, |x: f64| x.max(ratio)));
+    }
+    alloc.risk.additivity_ratio = rho;
     // Recompute timings not yet taken: every other microbatch, and what is left on the
     // kappa microbatch.
     for (m, mb) in mbs.iter().enumerate() {

@@ -18,10 +18,12 @@
 //! microbatches (errors from different units are largely independent, so the measured
 //! total is usually well below the sum).
 //!
-//! The risk budget of an optimizer step is `target_rel_l2 * gamma * exposure(step)`, with
-//! `gamma` the calibrated ratio `||exact step gradient|| / exposure(step)`: a relative
-//! error target on the step's update (default 1e-2) turned into an absolute budget on
-//! summed risk. Microbatches with little exposure (most sequences with advantage 0) then
+//! The risk budget of an optimizer step is `target_rel_l2 * gamma * exposure(step) / rho`,
+//! with `gamma` the calibrated ratio `||exact step gradient|| / exposure(step)` and `rho`
+//! the calibrated ratio of measured to summed predicted error when every unit is
+//! compressed at once (the sum is a triangle-inequality bound; independent errors add
+//! in quadrature, so the real combined error is smaller): a relative error target on the
+//! step's update (default 1e-2) turned into an absolute budget on summed risk. Microbatches with little exposure (most sequences with advantage 0) then
 //! carry little risk and can take cheap lossy fidelities; that is what exposure buys.
 
 use serde::Serialize;
@@ -37,6 +39,11 @@ pub struct RiskModel {
     pub kappa: BTreeMap<(String, usize, String), f64>,
     /// `||exact gradient|| / exposure` of the calibration data.
     pub grad_norm_per_exposure: Option<f64>,
+    /// Measured / predicted error when many units are compressed at once (calibrated;
+    /// 1 until then). Summed risks bound the combined error by the triangle inequality;
+    /// errors of different units are largely independent, so the combined error is
+    /// smaller, and the risk budget is scaled by this ratio to hit the target fidelity.
+    pub additivity_ratio: Option<f64>,
 }
 
 impl RiskModel {
@@ -71,10 +78,15 @@ impl RiskModel {
         (!v.is_empty()).then(|| v.iter().sum::<f64>() / v.len() as f64)
     }
 
-    /// The absolute risk budget of a step of the given exposure for a relative L2 target.
+    /// The absolute risk budget of a step of the given exposure for a relative L2 target:
+    /// `target * gamma * exposure / additivity_ratio`.
     pub fn step_budget(&self, target_rel_l2: f64, step_exposure: f64) -> Option<f64> {
+        let rho = self
+            .additivity_ratio
+            .filter(|r| *r > 0.0 && r.is_finite())
+            .unwrap_or(1.0);
         self.grad_norm_per_exposure
-            .map(|g| target_rel_l2 * g * step_exposure)
+            .map(|g| target_rel_l2 * g * step_exposure / rho)
     }
 }
 

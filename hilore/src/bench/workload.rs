@@ -13,11 +13,11 @@ use hilore_runtime::allocator::{microbatch_input, MicrobatchInput};
 /// parameter).
 pub fn default_config() -> DecoderConfig {
     DecoderConfig {
-        vocab_size: 2048,
-        hidden_size: 256,
-        intermediate_size: 704,
+        vocab_size: 1024,
+        hidden_size: 192,
+        intermediate_size: 512,
         num_hidden_layers: 4,
-        num_attention_heads: 8,
+        num_attention_heads: 6,
         num_key_value_heads: 2,
         head_dim: 32,
         rms_norm_eps: 1e-6,

@@ -1,0 +1,156 @@
+//! `hilore bench` end to end on a tiny decoder: the JSON has the documented fields, every
+//! budgeted policy's measured peak is within its budget and equal to the simulator's
+//! prediction byte for byte, the exact policies reproduce the exact gradient, and the
+//! charts are written. Timings are not asserted (they depend on the machine).
+
+use std::process::Command;
+
+const TINY: &str = r#"{"vocab_size":128,"hidden_size":32,"intermediate_size":88,"num_hidden_layers":3,
+"num_attention_heads":4,"num_key_value_heads":2,"head_dim":8,"model_type":"llama"}"#;
+
+#[test]
+fn bench_json_and_plots() {
+    let dir = std::env::temp_dir().join(format!("hilore-bench-test-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let cfg = dir.join("config.json");
+    std::fs::write(&cfg, TINY).unwrap();
+    let json = dir.join("bench.json");
+    let plots = dir.join("plots");
+    let out = Command::new(env!("CARGO_BIN_EXE_hilore"))
+        .args([
+            "bench",
+            "--quiet",
+            "--config",
+            cfg.to_str().unwrap(),
+            "--rows",
+            "160",
+            "--prompts",
+            "3",
+            "--group",
+            "4",
+            "--reps",
+            "1",
+            "--budgets",
+            "1.05,1.5",
+            "--risk-targets",
+            "0.03",
+            "--json",
+            json.to_str().unwrap(),
+            "--plot",
+            plots.to_str().unwrap(),
+        ])
+        .output()
+        .expect("hilore runs");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    assert!(v["config"].is_object());
+    let policies = v["policies"].as_array().unwrap();
+    let names: Vec<&str> = policies
+        .iter()
+        .map(|p| p["policy"].as_str().unwrap())
+        .collect();
+    for want in [
+        "store-all",
+        "full-recompute (GC)",
+        "selective (Megatron)",
+        "budgeted-recompute",
+        "compress-all (fp8)",
+        "adacc-style",
+        "hilore",
+    ] {
+        assert!(names.contains(&want), "{want} missing from {names:?}");
+    }
+    for p in policies
+        .iter()
+        .chain(v["budget_sweep"].as_array().unwrap())
+        .chain(v["risk_sweep"].as_array().unwrap())
+    {
+        for key in [
+            "policy",
+            "budget_factor",
+            "tokens_per_s",
+            "ratio_to_gc",
+            "peak_total_bytes",
+            "peak_activation_bytes",
+            "budget_bytes",
+            "predicted_peak_bytes",
+            "grad_cosine",
+            "grad_rel_l2",
+            "solve_seconds",
+        ] {
+            assert!(p.get(key).is_some(), "{} lacks {key}", p["policy"]);
+        }
+        // The simulator's prediction is the measured peak, for every policy.
+        assert_eq!(p["peak_matches_prediction"], true, "{}", p["policy"]);
+        assert_eq!(
+            p["predicted_peak_bytes"], p["peak_total_bytes"],
+            "{}",
+            p["policy"]
+        );
+        if !p["budget_bytes"].is_null() {
+            assert!(
+                p["peak_total_bytes"].as_u64().unwrap() <= p["budget_bytes"].as_u64().unwrap(),
+                "{} over budget",
+                p["policy"]
+            );
+        }
+    }
+    // Exact policies reproduce the exact gradient bit for bit.
+    for exact in ["store-all", "full-recompute (GC)", "budgeted-recompute"] {
+        let p = policies.iter().find(|p| p["policy"] == exact).unwrap();
+        assert_eq!(p["grad_rel_l2"].as_f64().unwrap(), 0.0, "{exact}");
+    }
+    let gc = policies
+        .iter()
+        .find(|p| p["policy"] == "full-recompute (GC)")
+        .unwrap();
+    assert_eq!(gc["ratio_to_gc"].as_f64().unwrap(), 1.0);
+    for f in [
+        "throughput_vs_memory.svg",
+        "memory_timeline.svg",
+        "risk_predicted_vs_measured.svg",
+        "pareto_budget_sweep.svg",
+        "throughput_vs_grad_error.svg",
+    ] {
+        let s = std::fs::read_to_string(plots.join(f)).unwrap_or_else(|e| panic!("{f}: {e}"));
+        assert!(s.starts_with("<svg"), "{f}");
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+#[test]
+fn infeasible_budget_is_a_clear_error() {
+    let dir = std::env::temp_dir().join(format!("hilore-bench-inf-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let cfg = dir.join("config.json");
+    std::fs::write(&cfg, TINY).unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_hilore"))
+        .args([
+            "bench",
+            "--quiet",
+            "--config",
+            cfg.to_str().unwrap(),
+            "--rows",
+            "128",
+            "--prompts",
+            "2",
+            "--group",
+            "4",
+            "--reps",
+            "1",
+            "--budget",
+            "0.5",
+            "--risk-targets",
+            "0.03",
+        ])
+        .output()
+        .expect("hilore runs");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("smallest feasible budget is"),
+        "expected the budgeted policies to name the smallest feasible budget: {stderr}"
+    );
+    std::fs::remove_dir_all(&dir).ok();
+}
