@@ -443,12 +443,12 @@ impl Solver {
                     // opened options.
                     let mut best = f64::INFINITY;
                     let open_id = group.whole.len() as u32;
-                    for j in 0..m {
-                        if h[j] < best {
-                            best = h[j];
+                    for (j, &hj) in h.iter().enumerate().take(m) {
+                        if hj < best {
+                            best = hj;
                             let used = j + extra;
                             for c in used..n {
-                                let v = prev[c - used] + h[j];
+                                let v = prev[c - used] + hj;
                                 if v < cur[c] {
                                     cur[c] = v;
                                     a[c] = (open_id, used as u32);
