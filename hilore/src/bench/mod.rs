@@ -635,6 +635,9 @@ struct Acceptance {
     every_budgeted_peak_equals_prediction: bool,
 }
 
+/// A planned policy: its kind, its plan, its budget in bytes and its budget factor.
+type PlannedPolicy = (Kind, Planned, Option<usize>, Option<f64>);
+
 pub fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
     let t_start = Instant::now();
     let load_start = load_average();
@@ -778,29 +781,27 @@ pub fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
         num_layers: cfg.num_hidden_layers,
         codecs: codecs.clone(),
     };
-    let plan_all = |factor_budget: usize,
-                    target: f64,
-                    kinds: &[Kind]|
-     -> anyhow::Result<Vec<(Kind, Planned, Option<usize>, Option<f64>)>> {
-        let mut v = Vec::new();
-        for &k in kinds {
-            match ctx.plan(k, factor_budget, target) {
-                Ok(p) => {
-                    let (b, f) = if k.budgeted() {
-                        (
-                            Some(factor_budget),
-                            Some(factor_budget as f64 / gc_total as f64),
-                        )
-                    } else {
-                        (None, None)
-                    };
-                    v.push((k, p, b, f));
+    let plan_all =
+        |factor_budget: usize, target: f64, kinds: &[Kind]| -> anyhow::Result<Vec<PlannedPolicy>> {
+            let mut v = Vec::new();
+            for &k in kinds {
+                match ctx.plan(k, factor_budget, target) {
+                    Ok(p) => {
+                        let (b, f) = if k.budgeted() {
+                            (
+                                Some(factor_budget),
+                                Some(factor_budget as f64 / gc_total as f64),
+                            )
+                        } else {
+                            (None, None)
+                        };
+                        v.push((k, p, b, f));
+                    }
+                    Err(e) => eprintln!("  {}: not planned: {e:#}", k.name()),
                 }
-                Err(e) => eprintln!("  {}: not planned: {e:#}", k.name()),
             }
-        }
-        Ok(v)
-    };
+            Ok(v)
+        };
     let policies = plan_all(budget_bytes, args.target_rel_l2, &Kind::ALL)?;
     let passes = (policies.len() * mbs.len() * args.reps) as u64;
     let main_bar = bar(passes, "policies");
@@ -1263,7 +1264,7 @@ fn write_plots(
             c.series.push(Series::line(n, pts));
         }
         for p in &r.policies {
-            if !p.budget_bytes.is_some() {
+            if p.budget_bytes.is_none() {
                 c.series.push(Series::scatter(
                     &p.policy,
                     vec![(p.peak_total_bytes as f64 / gc, p.tokens_per_cpu_s)],
