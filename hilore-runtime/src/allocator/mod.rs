@@ -32,6 +32,7 @@
 pub mod budget;
 pub mod calibrate;
 pub mod costs;
+pub mod online;
 mod planner;
 pub mod risk;
 pub mod solver;
@@ -39,6 +40,7 @@ pub mod solver;
 pub use budget::{MemoryBudget, StateBytes, DEFAULT_BUDGET_FACTOR};
 pub use calibrate::{calibrate, microbatch_input, CalibrationReport, PassResult, Runner};
 pub use costs::{CostModel, MicrobatchShape};
+pub use online::{OnlineAllocator, StepPlan, Workload};
 pub use planner::{Allocator, Decision, MicrobatchInput, Offer};
 pub use risk::{RiskModel, DEFAULT_TARGET_REL_L2};
 pub use solver::{Choice, Group, Infeasible, Opened, Pick, Problem, Selection, Solver};

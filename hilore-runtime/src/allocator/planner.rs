@@ -67,6 +67,10 @@ pub struct Decision {
     pub predicted_total_bytes: usize,
     /// Predicted recompute + encode + decode seconds.
     pub predicted_seconds: f64,
+    /// Of which recompute.
+    pub predicted_recompute_seconds: f64,
+    /// Of which encode + decode.
+    pub predicted_codec_seconds: f64,
     /// Predicted risk (sum over compressed instances).
     pub predicted_risk: f64,
     /// The Lagrange multiplier of the risk.
@@ -77,6 +81,19 @@ pub struct Decision {
     pub exact_checks: usize,
     /// Fidelity counts: (fidelity, instances).
     pub counts: Vec<(String, usize)>,
+}
+
+/// Predicted recompute and codec seconds of a selection.
+fn split_seconds(p: &Problem, picks: &[Pick]) -> (f64, f64) {
+    let (mut rc, mut codec) = (0.0, 0.0);
+    for c in p.chosen(picks) {
+        match c.fidelities.first().map(|f| f.2) {
+            Some(Fidelity::Recompute) => rc += c.seconds,
+            Some(Fidelity::Compress(_)) => codec += c.seconds,
+            _ => {}
+        }
+    }
+    (rc, codec)
 }
 
 #[derive(Debug, Clone)]
@@ -534,6 +551,7 @@ impl Allocator {
         let mut checks = 0usize;
         // 1. Per microbatch, the DP capacity whose memory-first plan fits exactly.
         let hi0 = avail - self.reference_eof;
+        let mut last_cap: Option<i64> = None;
         let mut problems = Vec::with_capacity(mbs.len());
         for mb in mbs {
             let e = assumed_exposure.unwrap_or(mb.exposure);
@@ -553,15 +571,22 @@ impl Allocator {
                     Err(e) => Err(Error::Tape(e.to_string())),
                 }
             };
+            // Microbatches of one size share their byte figures, so the capacity found
+            // for the previous one is tried before bisecting again.
             let cap = if fits(&p, &mut checks)?.is_some() {
                 hi0
+            } else if let Some(c) = last_cap.filter(|&c| {
+                p.capacity = c;
+                matches!(fits(&p, &mut checks), Ok(Some(_)))
+            }) {
+                c
             } else {
                 let (mut lo, mut hi) = (min, hi0);
                 p.capacity = lo;
                 if fits(&p, &mut checks)?.is_none() {
                     return Err(self.infeasible_memory(total_budget, offer));
                 }
-                while hi - lo > ((hi0 - min) / 2048).max(1) {
+                while hi - lo > ((hi0 - min) / 512).max(1) {
                     let mid = lo + (hi - lo) / 2;
                     p.capacity = mid;
                     if fits(&p, &mut checks)?.is_some() {
@@ -572,6 +597,7 @@ impl Allocator {
                 }
                 lo
             };
+            last_cap = Some(cap);
             p.capacity = cap;
             problems.push(p);
         }
@@ -627,7 +653,7 @@ impl Allocator {
                 } else {
                     lo = mid;
                 }
-                if lo > 0.0 && hi / lo < 1.0 + 1e-4 {
+                if lo > 0.0 && hi / lo < 1.0 + 1e-3 {
                     break;
                 }
             }
@@ -674,11 +700,14 @@ impl Allocator {
             }
             let mut counts: Vec<_> = counts.into_iter().collect();
             counts.sort();
+            let (rc, codec) = split_seconds(&q, &s.picks);
             out.push(Decision {
                 plan,
                 predicted_peak_bytes: peak,
                 predicted_total_bytes: peak + self.state.total(),
                 predicted_seconds: s.seconds,
+                predicted_recompute_seconds: rc,
+                predicted_codec_seconds: codec,
                 predicted_risk: s.risk,
                 lambda: s.lambda,
                 solve_seconds: 0.0,
@@ -737,11 +766,14 @@ impl Allocator {
                 }
                 let mut counts: Vec<_> = counts.into_iter().collect();
                 counts.sort();
+                let (rc, codec) = split_seconds(&p, &picks);
                 return Ok(Decision {
                     plan,
                     predicted_peak_bytes: peak,
                     predicted_total_bytes: peak + self.state.total(),
                     predicted_seconds: secs,
+                    predicted_recompute_seconds: rc,
+                    predicted_codec_seconds: codec,
                     predicted_risk: risk,
                     lambda: 0.0,
                     solve_seconds: t0.elapsed().as_secs_f64(),

@@ -213,7 +213,7 @@ impl Default for Solver {
     fn default() -> Self {
         Solver {
             buckets: 512,
-            lambda_steps: 40,
+            lambda_steps: 24,
         }
     }
 }
