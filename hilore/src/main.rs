@@ -6,6 +6,7 @@ mod bench_tape;
 mod check;
 mod codecs;
 mod common;
+mod compare;
 mod export;
 mod plot;
 mod score;
@@ -55,6 +56,9 @@ enum Command {
     /// seeds, interleaved, under one memory budget: throughput, peak memory (predicted and
     /// measured), gradient error, time split; `--budgets` sweeps the budget.
     Bench(Box<bench::BenchArgs>),
+    /// Paired GRPO training runs, full recompute against HiLoRe, same seeds: the paired
+    /// difference of held-out accuracy and both runs' actor-update throughput.
+    Compare(compare::CompareArgs),
     /// Train a policy with GRPO on a task with verifiable rewards: warm start by supervised
     /// fine-tuning, then rollouts with a KV cache, rewards, group-relative advantages and
     /// a microbatched actor update under a fidelity policy; held-out accuracy before and
@@ -78,6 +82,7 @@ fn main() -> ExitCode {
         Command::BenchTape(a) => bench_tape::run(a),
         Command::Codecs(a) => codecs::run(a),
         Command::Bench(a) => bench::run(*a),
+        Command::Compare(a) => compare::run(a),
         Command::Train(a) => train::run(*a),
         Command::Score(a) => score::run(a),
         Command::Export(a) => export::run(a),

@@ -154,3 +154,49 @@ fn infeasible_budget_is_a_clear_error() {
     );
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// `hilore compare` runs `hilore train` under full recompute and under `--policy hilore`
+/// for each seed and reports the paired difference with the documented fields.
+#[test]
+fn compare_runs_paired_training() {
+    let dir = std::env::temp_dir().join(format!("hilore-compare-test-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let json = dir.join("compare.json");
+    let out = Command::new(env!("CARGO_BIN_EXE_hilore"))
+        .args(["compare", "--seeds", "0,1", "--json"])
+        .arg(&json)
+        .arg("--dir")
+        .arg(&dir)
+        .args([
+            "--",
+            "--steps",
+            "2",
+            "--prompts",
+            "8",
+            "--sft-steps",
+            "20",
+            "--heldout",
+            "10",
+        ])
+        .output()
+        .expect("hilore runs");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    for key in [
+        "seeds",
+        "gc_accuracy",
+        "hilore_accuracy",
+        "paired_diff_pp_mean",
+        "paired_diff_pp_std",
+        "gc_update_tokens_per_s",
+        "hilore_update_tokens_per_s",
+    ] {
+        assert!(v.get(key).is_some(), "compare JSON lacks {key}");
+    }
+    assert_eq!(v["gc_accuracy"].as_array().unwrap().len(), 2);
+    let runs = v["runs"].as_array().unwrap();
+    assert!(runs.iter().any(|r| r["policy"] == "hilore"));
+    std::fs::remove_dir_all(&dir).ok();
+}

@@ -165,6 +165,21 @@ impl OnlineAllocator {
                 self.calibration = Some(report);
             }
         }
+        if self.calibration.is_none() {
+            // Nothing measured yet (no microbatch with exposure to calibrate on): full
+            // recompute, which fits by construction of the budget.
+            let decisions = inputs
+                .iter()
+                .map(|m| {
+                    let a = &self.by_tokens[&m.shape.tokens];
+                    a.fixed_decision(gc_plan(a))
+                })
+                .collect::<Result<Vec<_>>>()?;
+            return Ok(StepPlan {
+                decisions,
+                budget_bytes: 0,
+            });
+        }
         // The budget: a factor of full recompute's total peak at the step's largest size.
         let gc_total = inputs
             .iter()

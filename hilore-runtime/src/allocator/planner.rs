@@ -450,6 +450,87 @@ impl Allocator {
         plan
     }
 
+    /// A decision that is a given plan (no solve): its exact peak, no risk model.
+    pub fn fixed_decision(&self, plan: Plan) -> Result<Decision> {
+        let peak = self.simulate_peak(&plan)?;
+        Ok(Decision {
+            plan,
+            predicted_peak_bytes: peak,
+            predicted_total_bytes: peak + self.state.total(),
+            predicted_seconds: 0.0,
+            predicted_recompute_seconds: 0.0,
+            predicted_codec_seconds: 0.0,
+            predicted_risk: 0.0,
+            lambda: 0.0,
+            solve_seconds: 0.0,
+            exact_checks: 1,
+            counts: Vec::new(),
+        })
+    }
+
+    /// Exact fallback assignments, fastest first: every group with children recomputed
+    /// (the rest stored), then the same with their children recomputed as well.
+    fn fallbacks(&self, offer: &Offer) -> Vec<HashMap<usize, Fidelity>> {
+        let mut gc = HashMap::new();
+        for l in &self.layout {
+            if !l.children.is_empty()
+                && offer.recompute
+                && self.descs[l.top].offers(Fidelity::Recompute)
+            {
+                gc.insert(l.top, Fidelity::Recompute);
+            }
+        }
+        let mut deep = gc.clone();
+        for l in &self.layout {
+            if gc.contains_key(&l.top) {
+                for &c in &l.children {
+                    if self.descs[c].offers(Fidelity::Recompute) {
+                        deep.insert(c, Fidelity::Recompute);
+                    }
+                }
+            }
+        }
+        vec![gc, deep, self.reference.clone()]
+    }
+
+    /// A knapsack with one choice per group: exactly `assign`.
+    fn fixed_problem(
+        &self,
+        mb: &MicrobatchInput,
+        exposure: f64,
+        assign: &HashMap<usize, Fidelity>,
+    ) -> Result<Problem> {
+        let mut groups = Vec::with_capacity(self.layout.len());
+        for l in &self.layout {
+            let mut c = Choice {
+                fidelities: Vec::new(),
+                seconds: 0.0,
+                risk: 0.0,
+                bytes: 0,
+            };
+            for &i in std::iter::once(&l.top).chain(&l.children) {
+                let f = assign.get(&i).copied().unwrap_or(Fidelity::Store);
+                let b = &self.instances[i];
+                c.fidelities.push((b.unit.to_string(), b.call, f));
+                c.seconds += self.seconds(i, f, mb.shape).unwrap_or(0.0);
+                if let Fidelity::Compress(k) = f {
+                    c.risk += self.risk.risk(b.unit, b.call, k, exposure).unwrap_or(0.0);
+                }
+            }
+            let b = &self.instances[l.top];
+            groups.push(Group {
+                name: format!("{}#{}", b.unit, b.call),
+                whole: vec![c],
+                opened: None,
+            });
+        }
+        Ok(Problem {
+            groups,
+            capacity: 0,
+            risk_budget: f64::INFINITY,
+        })
+    }
+
     /// The ledger bytes available to activations under a total budget.
     pub fn activation_budget(&self, total_budget: usize) -> Option<usize> {
         total_budget.checked_sub(self.state.total())
@@ -584,7 +665,27 @@ impl Allocator {
                 let (mut lo, mut hi) = (min, hi0);
                 p.capacity = lo;
                 if fits(&p, &mut checks)?.is_none() {
-                    return Err(self.infeasible_memory(total_budget, offer));
+                    // The additive model's least-bytes selection does not fit (exact
+                    // peaks are not monotone in it: recomputing the last units saves
+                    // bytes but not peak). Fall back to the first exact plan that fits
+                    // among full recompute of the groups with children, and the same
+                    // with their children recomputed too.
+                    let mut found = None;
+                    for a in self.fallbacks(offer) {
+                        let plan = self.plan_of("fallback", &a);
+                        checks += 1;
+                        if self.simulate_peak(&plan)? as i64 <= avail {
+                            found = Some(self.fixed_problem(mb, e, &a)?);
+                            break;
+                        }
+                    }
+                    match found {
+                        Some(fp) => {
+                            problems.push(fp);
+                            continue;
+                        }
+                        None => return Err(self.infeasible_memory(total_budget, offer)),
+                    }
                 }
                 while hi - lo > ((hi0 - min) / 512).max(1) {
                     let mid = lo + (hi - lo) / 2;
@@ -675,7 +776,29 @@ impl Allocator {
                 tries += 1;
                 q.capacity -= (peak as i64 - avail).max(1);
                 if tries > 32 || q.capacity < q.min_bytes() {
-                    return Err(self.infeasible_memory(total_budget, offer));
+                    // Exact fallbacks (no risk), fastest first.
+                    let mut found = None;
+                    for a in self.fallbacks(offer) {
+                        let fplan = self.plan_of("fallback", &a);
+                        checks += 1;
+                        let fpeak = self.simulate_peak(&fplan)?;
+                        if fpeak as i64 <= avail {
+                            found = Some((self.fixed_problem(&mbs[k], 0.0, &a)?, fplan, fpeak));
+                            break;
+                        }
+                    }
+                    let Some((fq, fplan, fpeak)) = found else {
+                        return Err(self.infeasible_memory(total_budget, offer));
+                    };
+                    q = fq;
+                    s = self
+                        .solver
+                        .solve(&q)
+                        .map_err(|e| Error::Tape(e.to_string()))?;
+                    risks[k] = s.risk;
+                    plan = fplan;
+                    peak = fpeak;
+                    break;
                 }
                 let others: f64 = risks
                     .iter()

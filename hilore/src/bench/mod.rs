@@ -829,7 +829,9 @@ pub fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
     let mut sweep = Vec::new();
     if !args.budgets.is_empty() {
         let kinds: Vec<Kind> = Kind::ALL.iter().copied().filter(|k| k.budgeted()).collect();
-        let mut planned = Vec::new();
+        // Full recompute is measured in the same interleaved phase: ratios to it are
+        // immune to the machine's load changing between phases.
+        let mut planned = plan_all(budget_bytes, args.target_rel_l2, &[Kind::Gc])?;
         for &f in &args.budgets {
             planned.extend(plan_all(
                 (f * gc_total as f64) as usize,
@@ -852,13 +854,14 @@ pub fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
             &mut Vec::new(),
         )?;
         b.finish_and_clear();
-        set_ratios(&mut r, &gc_row);
+        let gc = r.remove(0);
+        set_ratios(&mut r, &gc);
         sweep = r;
     }
     // Risk sweep.
     let mut risk_sweep = Vec::new();
     if !args.risk_targets.is_empty() {
-        let mut planned = Vec::new();
+        let mut planned = plan_all(budget_bytes, args.target_rel_l2, &[Kind::Gc])?;
         for &t in &args.risk_targets {
             for mut p in plan_all(budget_bytes, t, &[Kind::AdaccStyle, Kind::Hilore])? {
                 p.1.note = format!("target {t:e}: {}", p.1.note);
@@ -880,7 +883,8 @@ pub fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
             &mut Vec::new(),
         )?;
         b.finish_and_clear();
-        set_ratios(&mut r, &gc_row);
+        let gc = r.remove(0);
+        set_ratios(&mut r, &gc);
         risk_sweep = r;
     }
 
@@ -1246,7 +1250,7 @@ fn write_plots(
         let mut c = Chart::new(
             "budget sweep: throughput vs measured total peak",
             "total peak / GC's total peak",
-            "tokens / CPU-second",
+            "throughput / GC's (CPU time, same phase)",
         );
         let gc = r.config.gc_peak_total_bytes as f64;
         let mut names: Vec<&str> = r.budget_sweep.iter().map(|p| p.policy.as_str()).collect();
@@ -1258,7 +1262,7 @@ fn write_plots(
                 .budget_sweep
                 .iter()
                 .filter(|p| p.policy == n && p.fits_budget == Some(true))
-                .map(|p| (p.peak_total_bytes as f64 / gc, p.tokens_per_cpu_s))
+                .map(|p| (p.peak_total_bytes as f64 / gc, p.cpu_ratio_to_gc))
                 .collect();
             pts.sort_by(|a, b| a.0.total_cmp(&b.0));
             c.series.push(Series::line(n, pts));
@@ -1267,7 +1271,7 @@ fn write_plots(
             if p.budget_bytes.is_none() {
                 c.series.push(Series::scatter(
                     &p.policy,
-                    vec![(p.peak_total_bytes as f64 / gc, p.tokens_per_cpu_s)],
+                    vec![(p.peak_total_bytes as f64 / gc, p.cpu_ratio_to_gc)],
                 ));
             }
         }
@@ -1277,7 +1281,7 @@ fn write_plots(
         let mut c = Chart::new(
             "time vs measured gradient error at the main budget",
             "measured relative L2 error of the step gradient",
-            "tokens / CPU-second",
+            "throughput / GC's (CPU time, same phase)",
         );
         for n in [Kind::Hilore.name(), Kind::AdaccStyle.name()] {
             let mut pts: Vec<(f64, f64)> = r
@@ -1285,7 +1289,7 @@ fn write_plots(
                 .iter()
                 .chain(&r.policies)
                 .filter(|p| p.policy == n && p.grad_rel_l2 > 0.0)
-                .map(|p| (p.grad_rel_l2, p.tokens_per_cpu_s))
+                .map(|p| (p.grad_rel_l2, p.cpu_ratio_to_gc))
                 .collect();
             pts.sort_by(|a, b| a.0.total_cmp(&b.0));
             c.series.push(Series::line(n, pts));

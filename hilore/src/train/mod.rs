@@ -163,7 +163,10 @@ pub struct TrainArgs {
 
     // ----- actor update
     /// Fidelity of every unit in the actor update: `store`, `recompute` (per-layer
-    /// gradient checkpointing) or `compress-<codec>`.
+    /// gradient checkpointing), `compress-<codec>`, or `hilore` (the allocator plans every
+    /// microbatch from measured costs and the step's exposures under 1.10 x full
+    /// recompute's peak; microbatches are padded to a multiple of 128 rows; calibration
+    /// runs on the first step).
     #[arg(long, default_value = "store", help_heading = "Actor update")]
     policy: String,
     /// Most tokens (rows) per microbatch; one sequence must fit.
@@ -377,6 +380,9 @@ fn policy_plan(policy: &str) -> anyhow::Result<Plan> {
     match policy {
         "store" => Ok(plans::store_all()),
         "recompute" => Ok(plans::gradient_checkpointing()),
+        // HiLoRe plans each step itself; full recompute is its plan when the coefficients
+        // are not known before the forward (later epochs, or a KL term).
+        "hilore" => Ok(plans::gradient_checkpointing().named("hilore")),
         other => match other.strip_prefix("compress-") {
             Some(codec) => plans::compress_all(codec)
                 .with_context(|| format!("--policy {other}: unknown codec `{codec}`")),
@@ -384,7 +390,7 @@ fn policy_plan(policy: &str) -> anyhow::Result<Plan> {
                 // Reuse the runtime's wording of the valid fidelities.
                 let e = Fidelity::parse(other).err();
                 bail!(
-                    "unknown --policy `{other}`; the policies are `store`, `recompute` and `compress-<codec>`{}",
+                    "unknown --policy `{other}`; the policies are `store`, `recompute`, `hilore` and `compress-<codec>`{}",
                     e.map(|e| format!(" ({e})")).unwrap_or_default()
                 )
             }
@@ -957,6 +963,17 @@ pub fn run(args: TrainArgs) -> anyhow::Result<ExitCode> {
         token_budget: settings.token_budget,
         plan: plan.clone(),
         skip_zero_exposure: settings.skip_zero_exposure,
+        allocator: (settings.policy == "hilore").then(|| {
+            use hilore_runtime::allocator::{
+                MemoryBudget, OnlineAllocator, StateBytes, DEFAULT_TARGET_REL_L2,
+            };
+            std::rc::Rc::new(std::cell::RefCell::new(OnlineAllocator::new(
+                StateBytes::adamw_f32(run.model.num_params()),
+                MemoryBudget::default(),
+                DEFAULT_TARGET_REL_L2,
+                &["bf16", "fp8-e4m3-b32", "int4-g32"],
+            )))
+        }),
     };
     let mut metrics_file = match &args.metrics {
         Some(p) => Some(

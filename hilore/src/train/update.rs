@@ -6,12 +6,22 @@ use super::rollout::Rollout;
 use anyhow::Context;
 use candle_core::Tensor;
 use hilore_models::{Decoder, TokenBatch};
+use hilore_runtime::allocator::{
+    MicrobatchInput, MicrobatchShape, OnlineAllocator, PassResult, Workload,
+};
 use hilore_runtime::grpo::{
     aggregation_weights, known_before_forward, pack_by_token_budget, CoefficientStats,
     Coefficients, GrpoConfig, Sequences, TokenLogprobs,
 };
 use hilore_runtime::{Cx, Grads, Plan};
+use std::cell::RefCell;
+use std::rc::Rc;
 use std::time::Instant;
+
+/// Microbatches planned by the allocator are padded to a multiple of this many rows, so
+/// that a few sizes (each profiled once) cover every microbatch and the planned peaks are
+/// exact.
+const PAD_QUANTUM: usize = 128;
 
 /// How the update runs.
 #[derive(Debug, Clone)]
@@ -24,6 +34,10 @@ pub struct UpdateSettings {
     /// Skip the forward and backward of sequences whose exposure is exactly zero
     /// (advantage 0 with `beta = 0`: their gradient is exactly zero in every epoch).
     pub skip_zero_exposure: bool,
+    /// HiLoRe (`--policy hilore`): plans every microbatch of a step from measured costs
+    /// and the step's exposures, under the memory budget, whenever the coefficients are
+    /// known before the forward; `plan` is used otherwise.
+    pub allocator: Option<Rc<RefCell<OnlineAllocator>>>,
 }
 
 /// What an update did.
@@ -87,6 +101,33 @@ impl Micro {
         Ok(Micro { batch, targets })
     }
 
+    /// [`Micro::new`], padded with one untrained sequence to a multiple of `quantum` rows
+    /// (its rows get coefficient 0, so the gradient is unchanged).
+    pub fn padded(
+        model: &Decoder,
+        seqs: &[Vec<u32>],
+        prompt_lens: &[usize],
+        members: &[usize],
+        quantum: usize,
+    ) -> anyhow::Result<Self> {
+        let rows: usize = members.iter().map(|&i| seqs[i].len() - 1).sum();
+        let pad = rows.div_ceil(quantum) * quantum - rows;
+        if pad == 0 {
+            return Self::new(model, seqs, prompt_lens, members);
+        }
+        let mut picked: Vec<Vec<u32>> = members.iter().map(|&i| seqs[i].clone()).collect();
+        picked.push(vec![0; pad + 1]);
+        let batch =
+            TokenBatch::from_sequences(&picked, model.config(), model.head_weight().device())?;
+        let mut targets = Vec::with_capacity(members.len());
+        let mut row = 0;
+        for &i in members {
+            targets.push((row + prompt_lens[i] - 1, seqs[i].len() - prompt_lens[i]));
+            row += seqs[i].len() - 1;
+        }
+        Ok(Micro { batch, targets })
+    }
+
     /// The trained targets' values of a per-row vector, sequence after sequence.
     pub fn gather(&self, rows: &[f32]) -> Vec<f32> {
         let mut out = Vec::new();
@@ -106,6 +147,62 @@ impl Micro {
             k += len;
         }
         Ok(Tensor::from_vec(v, n, self.batch.inputs.device())?)
+    }
+}
+
+/// A step's microbatches as the allocator sees them.
+struct StepWorkload<'a> {
+    model: &'a Decoder,
+    micros: Vec<(Micro, Tensor, MicrobatchInput)>,
+}
+
+impl<'a> StepWorkload<'a> {
+    fn pass(&self, i: usize, cx: &mut Cx<'a>) -> hilore_runtime::Result<(Grads, f64)> {
+        let (micro, seed, _) = &self.micros[i];
+        let t0 = Instant::now();
+        let logp = self.model.token_logprobs(cx, &micro.batch)?;
+        let fwd = t0.elapsed().as_secs_f64();
+        let mut g = Grads::new();
+        cx.backward(&logp, seed, &mut g)?;
+        Ok((g, fwd))
+    }
+}
+
+impl Workload for StepWorkload<'_> {
+    fn len(&self) -> usize {
+        self.micros.len()
+    }
+
+    fn input(&self, i: usize) -> MicrobatchInput {
+        self.micros[i].2
+    }
+
+    fn profile(
+        &mut self,
+        i: usize,
+    ) -> hilore_runtime::Result<(
+        hilore_runtime::Profile,
+        Vec<hilore_runtime::UnitInstanceInfo>,
+    )> {
+        let mut cx = Cx::new(Plan::store_all()).profiling(true);
+        self.pass(i, &mut cx)?;
+        Ok((cx.profile()?, cx.unit_instances()))
+    }
+
+    fn run(&mut self, i: usize, plan: &Plan) -> hilore_runtime::Result<PassResult> {
+        let mut cx = Cx::new(plan.clone());
+        let (g, fwd) = self.pass(i, &mut cx)?;
+        let mut grads = Vec::new();
+        for (_, p) in self.model.named_params() {
+            if let Some(t) = g.get(p.id()) {
+                grads.extend(t.flatten_all()?.to_vec1::<f32>()?);
+            }
+        }
+        Ok(PassResult {
+            grads,
+            times: cx.times().clone(),
+            forward_seconds: fwd,
+        })
     }
 }
 
@@ -164,8 +261,45 @@ fn epoch_grads(
 ) -> anyhow::Result<Grads> {
     let cfg = s.grpo;
     let mut grads = Grads::new();
-    for pack in packs {
-        let micro = Micro::new(m, &r.seqs, &r.prompt_lens, pack)?;
+    // HiLoRe: with the coefficients known before the forward, plan the whole step.
+    let planned = match &s.allocator {
+        Some(alloc) if known_before_forward(&cfg, epoch) => {
+            let mut micros = Vec::with_capacity(packs.len());
+            for pack in packs {
+                let micro = Micro::padded(m, &r.seqs, &r.prompt_lens, pack, PAD_QUANTUM)?;
+                let lengths: Vec<usize> = pack.iter().map(|&i| r.response_lens[i]).collect();
+                let adv: Vec<f32> = pack.iter().map(|&i| advantages[i]).collect();
+                let w: Vec<f32> = pack.iter().map(|&i| weights[i]).collect();
+                let c = Coefficients::before_forward(
+                    &cfg,
+                    Sequences {
+                        lengths: &lengths,
+                        advantages: &adv,
+                        weights: &w,
+                    },
+                )?;
+                let seed = micro.seed(&c.per_token)?;
+                let input = MicrobatchInput {
+                    shape: MicrobatchShape::of(&micro.batch.packing),
+                    exposure: c.exposure(),
+                };
+                micros.push((micro, seed, input));
+            }
+            let mut wl = StepWorkload { model: m, micros };
+            let step = alloc.borrow_mut().plan_step(&mut wl)?;
+            Some((wl.micros, step.decisions))
+        }
+        _ => None,
+    };
+    let mut planned_micros = planned.as_ref().map(|(ms, _)| ms.iter());
+    for (k, pack) in packs.iter().enumerate() {
+        let micro = match planned_micros.as_mut().and_then(|it| it.next()) {
+            Some((mi, _, _)) => Micro {
+                batch: mi.batch.clone(),
+                targets: mi.targets.clone(),
+            },
+            None => Micro::new(m, &r.seqs, &r.prompt_lens, pack)?,
+        };
         let lengths: Vec<usize> = pack.iter().map(|&i| r.response_lens[i]).collect();
         let adv: Vec<f32> = pack.iter().map(|&i| advantages[i]).collect();
         let w: Vec<f32> = pack.iter().map(|&i| weights[i]).collect();
@@ -181,7 +315,11 @@ fn epoch_grads(
         } else {
             None
         };
-        let mut cx = Cx::new(s.plan.clone());
+        let plan = match &planned {
+            Some((_, decisions)) => decisions[k].plan.clone(),
+            None => s.plan.clone(),
+        };
+        let mut cx = Cx::new(plan);
         let logp = m.token_logprobs(&mut cx, &micro.batch)?;
         let cur = micro.gather(&logp.tensor().to_vec1::<f32>()?);
         if epoch == 0 {
@@ -238,6 +376,9 @@ fn epoch_grads(
         }
         let seed = micro.seed(&coeffs.per_token)?;
         cx.backward(&logp, &seed, &mut grads)?;
+        if let (Some(alloc), Some((_, decisions))) = (&s.allocator, &planned) {
+            alloc.borrow_mut().observe(&decisions[k], cx.times());
+        }
         rep.peak_activation_bytes = rep.peak_activation_bytes.max(cx.memory().peak_bytes());
         rep.update_tokens += micro.batch.num_tokens();
     }
@@ -329,6 +470,7 @@ mod tests {
                 token_budget: 64,
                 plan: hilore_models::plans::store_all(),
                 skip_zero_exposure: skip,
+                allocator: None,
             };
             let mut rep = UpdateReport::default();
             let packs = select_and_pack(&r, &adv, &s, &mut rep).unwrap();
@@ -360,6 +502,7 @@ mod tests {
             token_budget: 64,
             plan: hilore_models::plans::store_all(),
             skip_zero_exposure: false,
+            allocator: None,
         };
         let mut rep = UpdateReport::default();
         let packs = select_and_pack(&r2, &adv, &s, &mut rep).unwrap();
