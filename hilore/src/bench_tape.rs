@@ -42,8 +42,9 @@ struct Row {
     tokens_per_s: f64,
     /// Peak heap bytes above the level before the pass (every allocation of the process).
     peak_heap_bytes: usize,
-    /// Peak of what the tape itself keeps for backward (None for candle's autograd).
-    peak_saved_bytes: Option<usize>,
+    /// Peak of what the tape counts for backward, saved state plus activation gradients
+    /// (None for candle's autograd, whose graph the tape cannot see).
+    peak_activation_bytes: Option<usize>,
     seconds: Vec<f64>,
 }
 
@@ -138,7 +139,7 @@ pub fn run(args: BenchTapeArgs) -> anyhow::Result<ExitCode> {
                 median_seconds: med,
                 tokens_per_s: tokens as f64 / med,
                 peak_heap_bytes: peaks[i],
-                peak_saved_bytes: saved[i],
+                peak_activation_bytes: saved[i],
                 seconds: secs[i].clone(),
             }
         })
@@ -166,7 +167,7 @@ pub fn run(args: BenchTapeArgs) -> anyhow::Result<ExitCode> {
     };
     println!(
         "{:<20} {:>10} {:>12} {:>14} {:>14}",
-        "method", "median s", "tokens/s", "peak heap", "peak saved"
+        "method", "median s", "tokens/s", "peak heap", "peak act."
     );
     for r in &report.rows {
         println!(
@@ -175,7 +176,7 @@ pub fn run(args: BenchTapeArgs) -> anyhow::Result<ExitCode> {
             r.median_seconds,
             r.tokens_per_s,
             human_bytes(r.peak_heap_bytes),
-            r.peak_saved_bytes
+            r.peak_activation_bytes
                 .map(human_bytes)
                 .unwrap_or_else(|| "-".into())
         );

@@ -36,7 +36,11 @@ struct PlanRow {
     worst_param: String,
     worst_param_rel_l2: f64,
     cosine: f64,
+    /// Peak of saved state plus transients (decoded/recomputed slots, activation
+    /// gradients in backward), as the ledger counts it.
     peak_activation_bytes: usize,
+    /// Peak of the saved state alone (what a hand count of the saved tensors gives).
+    peak_saved_bytes: usize,
     peak_ratio_to_store_all: f64,
     /// Gradients equal to store-all's bit for bit and every recompute check passed;
     /// `null` for plans with a lossy fidelity (and for the reference itself).
@@ -141,6 +145,7 @@ pub fn run(args: CheckArgs) -> anyhow::Result<ExitCode> {
             worst_param_rel_l2: diff.worst_param_rel_l2,
             cosine: diff.cosine,
             peak_activation_bytes: pass.peak_activation_bytes,
+            peak_saved_bytes: pass.peak_saved_bytes,
             peak_ratio_to_store_all: pass.peak_activation_bytes as f64 / store_peak as f64,
             bit_identical,
             recompute_checks: pass.report.checks.len(),
@@ -190,7 +195,7 @@ fn print_table(r: &CheckReport) {
     );
     println!(
         "{:<38} {:>11} {:>10} {:>10} {:>12} {:>7} {:>14}",
-        "plan", "max |diff|", "rel L2", "cosine", "peak saved", "x store", "bit-identical"
+        "plan", "max |diff|", "rel L2", "cosine", "peak act.", "x store", "bit-identical"
     );
     for p in &r.plans {
         let bits = match p.bit_identical {

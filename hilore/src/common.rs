@@ -69,6 +69,7 @@ pub fn coefficients(n: usize, seed: u64, device: &Device) -> anyhow::Result<Tens
 pub struct Pass {
     pub grads: Vec<(String, Tensor)>,
     pub peak_activation_bytes: usize,
+    pub peak_saved_bytes: usize,
     pub report: BackwardReport,
     pub forward: Duration,
     pub backward: Duration,
@@ -106,6 +107,7 @@ pub fn run_pass(
     Ok(Pass {
         grads: named,
         peak_activation_bytes: cx.memory().peak_bytes(),
+        peak_saved_bytes: cx.memory().peak_saved_bytes(),
         report,
         forward,
         backward,
