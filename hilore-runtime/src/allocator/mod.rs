@@ -8,7 +8,9 @@
 //! time under the whole actor-update memory budget ([`budget`]) and a risk budget, with a
 //! multiple-choice knapsack ([`solver`]: Lagrangian on the risk, dynamic program over
 //! memory) whose every plan is checked against the simulator, so the peak it predicts is
-//! the peak the ledger measures, byte for byte.
+//! the peak the ledger measures, byte for byte. [`calibrate()`] measures the costs and
+//! `kappa` through a [`Runner`]; the [`OnlineAllocator`] does all of it inside a training
+//! loop (`hilore train --policy hilore`); `hilore bench` compares it with the baselines.
 //!
 //! ```
 //! use hilore_runtime::allocator::solver::{Choice, Group, Problem, Solver};

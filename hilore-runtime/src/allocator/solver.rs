@@ -212,7 +212,7 @@ pub struct Solver {
 impl Default for Solver {
     fn default() -> Self {
         Solver {
-            buckets: 512,
+            buckets: 256,
             lambda_steps: 24,
         }
     }
