@@ -20,7 +20,8 @@
 use std::sync::{Arc, Mutex};
 
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaSlice, CudaStream, DriverError, LaunchConfig, PushKernelArg,
+    CudaContext, CudaFunction, CudaSlice, CudaStream, CudaView, DriverError, LaunchConfig,
+    PushKernelArg,
 };
 use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions, Ptx};
 
@@ -174,6 +175,7 @@ fn driver(context: &'static str) -> impl FnOnce(DriverError) -> DeviceError {
 }
 
 /// The file names cudarc tries for a library, without repeats.
+#[cfg(not(feature = "cuda-linked"))]
 fn candidates(lib: &str) -> String {
     let mut names = cudarc::get_lib_name_candidates(lib);
     let mut seen = std::collections::HashSet::new();
@@ -186,6 +188,21 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 }
 
 /// Checks that libcuda and libnvrtc can be loaded, without panicking when they cannot.
+///
+/// With the `cuda-linked` feature the libraries are linked, so the loader has found them
+/// before the program started, and there is nothing left to probe.
+#[cfg(feature = "cuda-linked")]
+pub fn probe_libraries() -> Result<(), DeviceError> {
+    Ok(())
+}
+
+#[cfg(feature = "cuda-linked")]
+fn probe_nvrtc() -> Result<(), DeviceError> {
+    Ok(())
+}
+
+/// Checks that libcuda and libnvrtc can be loaded, without panicking when they cannot.
+#[cfg(not(feature = "cuda-linked"))]
 pub fn probe_libraries() -> Result<(), DeviceError> {
     // SAFETY: only tries to open the shared library; no CUDA function is called.
     if !unsafe { cudarc::driver::sys::is_culib_present() } {
@@ -197,6 +214,7 @@ pub fn probe_libraries() -> Result<(), DeviceError> {
     probe_nvrtc()
 }
 
+#[cfg(not(feature = "cuda-linked"))]
 fn probe_nvrtc() -> Result<(), DeviceError> {
     // SAFETY: only tries to open the shared library; no NVRTC function is called.
     if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
@@ -226,10 +244,21 @@ pub fn compile_kernels(arch: &str) -> Result<Ptx, DeviceError> {
 }
 
 impl CudaCodecs {
-    /// Loads CUDA, compiles the kernels for GPU `ordinal` and loads them.
+    /// Loads CUDA, compiles the kernels for GPU `ordinal` and loads them; calls run on the
+    /// context's default stream.
     pub fn new(ordinal: usize) -> Result<Self, DeviceError> {
         probe_libraries()?;
         let ctx = CudaContext::new(ordinal).map_err(driver("opening the GPU"))?;
+        Self::with_stream(ctx.default_stream())
+    }
+
+    /// Compiles and loads the kernels for the GPU of `stream` and orders every call on
+    /// `stream`: pass the stream a tensor library computes on (candle's
+    /// `CudaDevice::cuda_stream()`) and its buffers can be encoded and decoded in place, in
+    /// order with its own kernels.
+    pub fn with_stream(stream: Arc<CudaStream>) -> Result<Self, DeviceError> {
+        probe_libraries()?;
+        let ctx = stream.context().clone();
         let (major, minor) = ctx
             .compute_capability()
             .map_err(driver("reading the compute capability"))?;
@@ -253,7 +282,6 @@ impl CudaCodecs {
         let fill = module
             .load_function("fill_heavy_tailed")
             .map_err(driver("finding the fill kernel"))?;
-        let stream = ctx.default_stream();
         let fault = stream.alloc_zeros::<u64>(1).map_err(driver("allocating"))?;
         let scratch_fault = stream.alloc_zeros::<u64>(1).map_err(driver("allocating"))?;
         Ok(CudaCodecs {
@@ -326,7 +354,7 @@ impl CudaCodecs {
     fn launch_encode(
         &self,
         k: &Kernels,
-        src: &CudaSlice<f32>,
+        src: &CudaView<'_, f32>,
         out: &mut DeviceEncoded,
         fault: &mut CudaSlice<u64>,
     ) -> Result<(), DeviceError> {
@@ -416,6 +444,17 @@ impl CudaCodecs {
         src: &CudaSlice<f32>,
         out: &mut DeviceEncoded,
     ) -> Result<(), DeviceError> {
+        self.encode_view(codec, &src.as_view(), out)
+    }
+
+    /// [`Self::encode`] of a range of a buffer (a tensor that starts at an offset of its
+    /// storage).
+    pub fn encode_view(
+        &self,
+        codec: &dyn Codec,
+        src: &CudaView<'_, f32>,
+        out: &mut DeviceEncoded,
+    ) -> Result<(), DeviceError> {
         let k = self.kernels(codec.name())?;
         let mut fault = lock(&self.fault);
         self.reset(&mut fault)?;
@@ -493,7 +532,7 @@ impl CudaCodecs {
     ) -> Result<(), DeviceError> {
         let k = self.kernels(codec.name())?;
         let mut fault = lock(&self.scratch_fault);
-        self.launch_encode(k, src, out, &mut fault)
+        self.launch_encode(k, &src.as_view(), out, &mut fault)
     }
 
     /// Enqueues a decode on [`Self::stream`] without waiting and without fault reporting;
