@@ -13,6 +13,13 @@ pub enum Error {
         #[source]
         source: hilore_kernels::CodecError,
     },
+    /// The GPU could not run a codec (CUDA library, driver or kernel compilation error).
+    #[error("GPU codec error in unit `{unit}`: {source}")]
+    Device {
+        unit: String,
+        #[source]
+        source: hilore_kernels::DeviceError,
+    },
     /// A codec name that no codec answers to.
     #[error(transparent)]
     UnknownCodec(#[from] hilore_kernels::CodecError),

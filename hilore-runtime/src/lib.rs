@@ -41,6 +41,7 @@
 extern crate self as hilore_runtime;
 
 pub mod allocator;
+mod encoding;
 mod error;
 mod fidelity;
 mod grads;

@@ -50,6 +50,9 @@ impl MemClass {
 pub(crate) enum StorageKey {
     /// A host buffer, by address.
     Host(usize),
+    /// A GPU buffer, by the address of the storage that owns it while it is alive.
+    #[cfg_attr(not(feature = "gpu"), allow(dead_code))]
+    Device(usize),
     /// A buffer known by the tensor that owns it (other devices).
     Tensor(candle_core::TensorId),
     /// An encoding owned by a slot.
@@ -78,6 +81,27 @@ pub(crate) fn storage_of(t: &Tensor) -> (StorageKey, usize) {
                 | CpuStorage::F8E8M0(v) => (v.as_ptr() as usize, v.len()),
             };
             (StorageKey::Host(ptr), bytes)
+        }
+        // A CUDA buffer, by the storage that owns it (views share it), at its full size.
+        #[cfg(feature = "gpu")]
+        Storage::Cuda(c) => {
+            use candle_core::cuda_backend::CudaStorageSlice as S;
+            let bytes = match &c.slice {
+                S::U8(v) | S::F6E2M3(v) | S::F6E3M2(v) | S::F4(v) | S::F8E8M0(v) => v.len(),
+                S::U32(v) => 4 * v.len(),
+                S::I16(v) => 2 * v.len(),
+                S::I32(v) => 4 * v.len(),
+                S::I64(v) => 8 * v.len(),
+                S::BF16(v) => 2 * v.len(),
+                S::F16(v) => 2 * v.len(),
+                S::F32(v) => 4 * v.len(),
+                S::F64(v) => 8 * v.len(),
+                S::F8E4M3(v) => v.len(),
+            };
+            (
+                StorageKey::Device(&*storage as *const Storage as usize),
+                bytes,
+            )
         }
         _ => (
             StorageKey::Tensor(t.id()),

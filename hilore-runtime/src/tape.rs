@@ -1,6 +1,7 @@
 //! The tape: records ops, keeps their saved tensors in slots owned by recovery units,
 //! applies each unit's fidelity when its scope closes, and runs backward.
 
+use crate::encoding::{self, Encoding};
 use crate::fidelity::{Fidelity, Plan};
 use crate::memory::{storage_of, EventKind, Ledger, MemClass, StorageKey};
 use crate::ops::{Op, Saved};
@@ -9,8 +10,7 @@ use crate::simulate::{
 };
 use crate::unit::{Recompute, UnitDescriptor};
 use crate::{Error, Grads, Result, Var, VarId, VarKind};
-use candle_core::{DType, Shape, Tensor, TensorId};
-use hilore_kernels::Encoded;
+use candle_core::{DType, Device, Shape, Tensor, TensorId};
 use std::collections::HashMap;
 use std::rc::{Rc, Weak};
 use std::time::{Duration, Instant};
@@ -22,7 +22,7 @@ enum Slot {
     /// A tensor in the compute dtype, counted in the ledger under `key`.
     Held { tensor: Tensor, key: StorageKey },
     /// A codec encoding, counted under `key`.
-    Encoded { enc: Rc<Encoded>, key: StorageKey },
+    Encoded { enc: Rc<Encoding>, key: StorageKey },
 }
 
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -108,7 +108,8 @@ pub struct RecomputeCheck {
     pub bit_identical: bool,
 }
 
-/// Time spent by the tape, split by kind of work.
+/// Time spent by the tape, split by kind of work. On a GPU the device's queue is drained
+/// before every reading of the clock, so these are GPU times, not kernel-launch times.
 #[derive(Debug, Clone, Default, serde::Serialize)]
 pub struct TapeTimes {
     /// Encoding Compress units' slots (forward).
@@ -170,8 +171,11 @@ pub struct Cx<'m> {
     backward_done: bool,
     /// Live encodings by source tensor and codec: two slots saving the same tensor in
     /// Compress units share one encoding.
-    encodings: HashMap<(TensorId, &'static str), (Weak<Encoded>, StorageKey)>,
+    encodings: HashMap<(TensorId, &'static str), (Weak<Encoding>, StorageKey)>,
     prof: Option<Box<ProfRec>>,
+    /// The device of the first recorded tensor, when it is a GPU: its queue is drained
+    /// before the clock is read, so the times are the GPU's, not the launch's.
+    gpu: Option<Device>,
 }
 
 impl<'m> Cx<'m> {
@@ -193,6 +197,7 @@ impl<'m> Cx<'m> {
             backward_done: false,
             encodings: HashMap::new(),
             prof: None,
+            gpu: None,
         }
     }
 
@@ -292,6 +297,9 @@ impl<'m> Cx<'m> {
         saved: Vec<Saved>,
     ) -> Result<Var> {
         let needs_grad = inputs.iter().any(|v| v.requires_grad());
+        if self.gpu.is_none() && !output.device().is_cpu() {
+            self.gpu = Some(output.device().clone());
+        }
         match self.mode {
             Mode::Inference => Ok(Var::activation(VarId::fresh(), output, false)),
             Mode::Forward => {
@@ -648,8 +656,21 @@ impl<'m> Cx<'m> {
         self.units[u].inputs.clear();
     }
 
+    /// The clock, read after the GPU's queued work has finished (at once on the CPU).
+    fn now(&self) -> Result<Instant> {
+        if let Some(dev) = &self.gpu {
+            dev.synchronize()?;
+        }
+        Ok(Instant::now())
+    }
+
+    /// Time since `t0`, once the GPU's queued work has finished.
+    fn since(&self, t0: Instant) -> Result<Duration> {
+        Ok(self.now()?.duration_since(t0))
+    }
+
     fn encode_unit(&mut self, inst: usize, codec_name: &'static str) -> Result<()> {
-        let t0 = Instant::now();
+        let t0 = self.now()?;
         let codec = hilore_kernels::codec_by_name(codec_name)?;
         let (first, end) = (self.units[inst].first_node, self.units[inst].end_node);
         for n in first..end {
@@ -671,16 +692,8 @@ impl<'m> Cx<'m> {
                 let (enc, key) = match shared {
                     Some(found) => found,
                     None => {
-                        let data: Vec<f32> =
-                            tensor.flatten_all()?.to_dtype(DType::F32)?.to_vec1()?;
-                        let mut enc = Encoded::default();
-                        codec
-                            .encode(&data, &mut enc)
-                            .map_err(|source| Error::Codec {
-                                unit: self.units[inst].desc.name.to_string(),
-                                source,
-                            })?;
-                        let enc = Rc::new(enc);
+                        let enc =
+                            Rc::new(encoding::encode(codec, tensor, self.units[inst].desc.name)?);
                         let key = StorageKey::Encoded(next_encoding_id());
                         self.encodings.insert(share, (Rc::downgrade(&enc), key));
                         (enc, key)
@@ -693,12 +706,12 @@ impl<'m> Cx<'m> {
             }
         }
         self.units[inst].state = UnitState::Encoded;
-        self.times.encode += t0.elapsed();
+        self.times.encode += self.since(t0)?;
         Ok(())
     }
 
     fn decode_unit(&mut self, inst: usize) -> Result<()> {
-        let t0 = Instant::now();
+        let t0 = self.now()?;
         let (first, end) = (self.units[inst].first_node, self.units[inst].end_node);
         for n in first..end {
             if self.nodes[n].unit != Some(inst) {
@@ -708,17 +721,9 @@ impl<'m> Cx<'m> {
                 let Slot::Encoded { enc, .. } = &self.nodes[n].slots[s] else {
                     continue;
                 };
-                let codec = hilore_kernels::codec_by_name(enc.codec)?;
-                let mut data = vec![0f32; enc.len];
-                codec
-                    .decode(enc, &mut data)
-                    .map_err(|source| Error::Codec {
-                        unit: self.units[inst].desc.name.to_string(),
-                        source,
-                    })?;
                 let meta = &self.nodes[n].meta[s];
-                let t = Tensor::from_vec(data, meta.shape.clone(), &meta.device)?
-                    .to_dtype(meta.dtype)?;
+                let unit = self.units[inst].desc.name;
+                let t = encoding::decode(enc, &meta.shape, meta.dtype, &meta.device, unit)?;
                 let held = self.hold(t, MemClass::Decoded);
                 let old = std::mem::replace(&mut self.nodes[n].slots[s], held);
                 self.release(old);
@@ -728,12 +733,12 @@ impl<'m> Cx<'m> {
         let u = &self.units[inst];
         let (name, call, fid) = (u.desc.name, u.call, u.fidelity.to_string());
         self.ledger.event(EventKind::Decoded, name, call, fid);
-        self.times.decode += t0.elapsed();
+        self.times.decode += self.since(t0)?;
         Ok(())
     }
 
     fn replay_unit(&mut self, inst: usize) -> Result<()> {
-        let t0 = Instant::now();
+        let t0 = self.now()?;
         let Some(body) = self.units[inst].recompute.clone() else {
             return Err(Error::Tape(format!(
                 "unit `{}` was dropped but keeps no recompute closure",
@@ -779,7 +784,7 @@ impl<'m> Cx<'m> {
         let u = &self.units[inst];
         let (name, call, fid) = (u.desc.name, u.call, u.fidelity.to_string());
         self.ledger.event(EventKind::Recomputed, name, call, fid);
-        self.times.recompute += t0.elapsed();
+        self.times.recompute += self.since(t0)?;
         Ok(())
     }
 
@@ -845,7 +850,10 @@ impl<'m> Cx<'m> {
                 output.tensor.dims()
             )));
         }
-        let t0 = Instant::now();
+        if self.gpu.is_none() && !seed.device().is_cpu() {
+            self.gpu = Some(seed.device().clone());
+        }
+        let t0 = self.now()?;
         self.backward_done = true;
         self.mode = Mode::Backward;
         self.ledger
@@ -959,7 +967,7 @@ impl<'m> Cx<'m> {
         self.ledger
             .event(EventKind::BackwardEnd, "", 0, String::new());
         report.checks = std::mem::take(&mut self.checks);
-        self.times.backward += t0.elapsed();
+        self.times.backward += self.since(t0)?;
         Ok(report)
     }
 }
