@@ -2,7 +2,6 @@
 
 use crate::common::{self, compare, human_bytes, GradDiff};
 use anyhow::Context;
-use candle_core::Device;
 use clap::Args;
 use hilore_models::{plans, Decoder, TokenBatch};
 use hilore_runtime::Plan;
@@ -69,7 +68,7 @@ struct CheckReport {
 }
 
 pub fn run(args: CheckArgs) -> anyhow::Result<ExitCode> {
-    let device = Device::Cpu;
+    let device = common::device();
     let cfg = common::load_config(args.config.as_deref())?;
     let model = Decoder::random(&cfg, args.seed, &device).context("building the model")?;
     let batch = TokenBatch::random(&args.lengths.0, &cfg, args.seed.wrapping_add(1), &device)?;

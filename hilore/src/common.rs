@@ -5,7 +5,86 @@ use candle_core::{DType, Device, Tensor};
 use hilore_models::{Decoder, DecoderConfig, TokenBatch};
 use hilore_runtime::{BackwardReport, Cx, Grads, Plan};
 use std::path::Path;
+use std::sync::OnceLock;
 use std::time::{Duration, Instant};
+
+/// A device named on the command line: `cpu`, `cuda` (GPU 0) or `cuda:N`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DeviceArg {
+    Cpu,
+    Cuda(usize),
+}
+
+impl std::str::FromStr for DeviceArg {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s.trim() {
+            "cpu" => Ok(DeviceArg::Cpu),
+            "cuda" | "gpu" => Ok(DeviceArg::Cuda(0)),
+            other => match other.strip_prefix("cuda:") {
+                Some(n) => n
+                    .parse()
+                    .map(DeviceArg::Cuda)
+                    .map_err(|_| format!("`{n}` is not a GPU number (cuda:0, cuda:1, ...)")),
+                None => Err(format!(
+                    "unknown device `{other}`; the devices are `cpu`, `cuda` and `cuda:N`"
+                )),
+            },
+        }
+    }
+}
+
+impl std::fmt::Display for DeviceArg {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            DeviceArg::Cpu => f.write_str("cpu"),
+            DeviceArg::Cuda(n) => write!(f, "cuda:{n}"),
+        }
+    }
+}
+
+static DEVICE: OnceLock<Device> = OnceLock::new();
+
+/// Opens the device every command computes on (`--device`); call once, before [`device`].
+pub fn select_device(arg: DeviceArg) -> anyhow::Result<()> {
+    let dev = match arg {
+        DeviceArg::Cpu => Device::Cpu,
+        DeviceArg::Cuda(n) => open_cuda(n)?,
+    };
+    DEVICE
+        .set(dev)
+        .map_err(|_| anyhow::anyhow!("the device was already selected"))
+}
+
+/// The device the commands compute on: the one `--device` selected, else the CPU. Every
+/// call returns the same candle device (one CUDA stream), so tensors made by different
+/// modules can meet in one op.
+pub fn device() -> Device {
+    DEVICE.get().cloned().unwrap_or(Device::Cpu)
+}
+
+#[cfg(feature = "gpu")]
+fn open_cuda(n: usize) -> anyhow::Result<Device> {
+    Device::new_cuda(n).with_context(|| format!("opening GPU cuda:{n}"))
+}
+
+#[cfg(not(feature = "gpu"))]
+fn open_cuda(n: usize) -> anyhow::Result<Device> {
+    anyhow::bail!(
+        "`--device cuda:{n}`: this hilore was built without GPU support; build the GPU binary \
+         with scripts/build-gpu.sh (cargo build --release -p hilore --features gpu, which \
+         needs the CUDA toolkit), or use `--device cpu`"
+    )
+}
+
+/// The clock, read once `device` has finished its queued work (at once on the CPU), so
+/// that differences of two readings are the device's time.
+pub fn now(device: &Device) -> anyhow::Result<Instant> {
+    if !device.is_cpu() {
+        device.synchronize()?;
+    }
+    Ok(Instant::now())
+}
 
 /// Loads a config.json, or the built-in default.
 pub fn load_config(path: Option<&Path>) -> anyhow::Result<DecoderConfig> {
@@ -85,13 +164,14 @@ pub fn run_pass(
     verify: bool,
 ) -> anyhow::Result<Pass> {
     let mut cx = Cx::new(plan).verify_recompute(verify);
-    let t0 = Instant::now();
+    let dev = coeffs.device();
+    let t0 = now(dev)?;
     let logp = model.token_logprobs(&mut cx, batch)?;
-    let forward = t0.elapsed();
+    let forward = now(dev)? - t0;
     let mut grads = Grads::new();
-    let t1 = Instant::now();
+    let t1 = now(dev)?;
     let report = cx.backward(&logp, coeffs, &mut grads)?;
-    let backward = t1.elapsed();
+    let backward = now(dev)? - t1;
     drop(logp);
     let named = model
         .named_params()
@@ -187,5 +267,29 @@ pub fn human_bytes(b: usize) -> String {
         format!("{b} B")
     } else {
         format!("{v:.2} {}", UNITS[i])
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::DeviceArg;
+
+    #[test]
+    fn device_names_parse() {
+        assert_eq!("cpu".parse::<DeviceArg>(), Ok(DeviceArg::Cpu));
+        assert_eq!("cuda".parse::<DeviceArg>(), Ok(DeviceArg::Cuda(0)));
+        assert_eq!("cuda:3".parse::<DeviceArg>(), Ok(DeviceArg::Cuda(3)));
+        assert_eq!(DeviceArg::Cuda(3).to_string(), "cuda:3");
+        let e = "cuda:x".parse::<DeviceArg>().unwrap_err();
+        assert!(e.contains("not a GPU number"), "{e}");
+        let e = "tpu".parse::<DeviceArg>().unwrap_err();
+        assert!(e.contains("`cpu`, `cuda` and `cuda:N`"), "{e}");
+    }
+
+    #[cfg(not(feature = "gpu"))]
+    #[test]
+    fn cuda_without_the_gpu_feature_is_an_error_that_names_the_fix() {
+        let e = super::open_cuda(0).unwrap_err().to_string();
+        assert!(e.contains("scripts/build-gpu.sh"), "{e}");
     }
 }

@@ -30,6 +30,16 @@ static GLOBAL: alloc::Counting = alloc::Counting;
 #[derive(Parser)]
 #[command(name = "hilore", version, about, long_about = None, propagate_version = true)]
 struct Cli {
+    /// Where `check` and `bench` put tensors and run the math: `cpu`, or `cuda` / `cuda:N`
+    /// for NVIDIA GPU N (needs the GPU binary, built by scripts/build-gpu.sh). The other
+    /// commands run on the CPU.
+    #[arg(
+        long,
+        global = true,
+        value_name = "cpu|cuda[:N]",
+        default_value = "cpu"
+    )]
+    device: common::DeviceArg,
     #[command(subcommand)]
     command: Command,
 }
@@ -76,6 +86,17 @@ enum Command {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    if let Err(e) = common::select_device(cli.device) {
+        eprintln!("error: {e:#}");
+        return ExitCode::from(2);
+    }
+    let on_device = matches!(cli.command, Command::Check(_) | Command::Bench(_));
+    if cli.device != common::DeviceArg::Cpu && !on_device {
+        eprintln!(
+            "note: --device {} applies to `check` and `bench`; this command runs on the CPU",
+            cli.device
+        );
+    }
     let result = match cli.command {
         Command::Units(a) => units::run(a),
         Command::Check(a) => check::run(a),

@@ -642,7 +642,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
     let t_start = Instant::now();
     let load_start = load_average();
     anyhow::ensure!(args.reps >= 1, "--reps must be at least 1");
-    let device = Device::Cpu;
+    let device: Device = crate::common::device();
     let cfg = match &args.config {
         Some(p) => crate::common::load_config(Some(p))?,
         None => workload::default_config(),
