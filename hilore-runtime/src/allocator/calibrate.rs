@@ -88,10 +88,16 @@ pub fn calibrate(
         }
         exact.push(r.grads);
     }
-    let total_exposure: f64 = mbs.iter().map(|m| m.exposure).sum();
+    // Microbatch gradients add in quadrature (see `risk`): the exact gradient's norm is
+    // modelled as gamma * sqrt(sum E_m^2).
+    let exposure_norm: f64 = mbs
+        .iter()
+        .map(|m| m.exposure * m.exposure)
+        .sum::<f64>()
+        .sqrt();
     let norm = sum_grad.iter().map(|g| g * g).sum::<f64>().sqrt();
-    if total_exposure > 0.0 {
-        alloc.risk.grad_norm_per_exposure = Some(norm / total_exposure);
+    if exposure_norm > 0.0 {
+        alloc.risk.grad_norm_per_exposure = Some(norm / exposure_norm);
     }
     // Prior: forward seconds per unit of cost expression (top-level instances only, so
     // nested costs are not counted twice).

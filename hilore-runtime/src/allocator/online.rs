@@ -188,11 +188,14 @@ impl OnlineAllocator {
             .unwrap_or(0)
             + self.state.total();
         let budget_bytes = self.budget.bytes(gc_total);
-        let step_exposure: f64 = inputs.iter().map(|m| m.exposure).sum();
+        let exposures: Vec<f64> = inputs.iter().map(|m| m.exposure).collect();
         let risk_budget = self
             .risk
-            .step_budget(self.target_rel_l2, step_exposure)
+            .step_budget(self.target_rel_l2, &exposures)
             .unwrap_or(0.0);
+        // Risks of different microbatches add in quadrature (see `risk`), so each size
+        // gets the share of the budget whose squares sum to the whole.
+        let step_sq: f64 = exposures.iter().map(|e| e * e).sum();
         let offer = Offer {
             codecs: self.codecs.clone(),
             recompute: true,
@@ -208,9 +211,9 @@ impl OnlineAllocator {
             if members.is_empty() {
                 continue;
             }
-            let e: f64 = members.iter().map(|&i| inputs[i].exposure).sum();
-            let share = if step_exposure > 0.0 {
-                risk_budget * e / step_exposure
+            let sq: f64 = members.iter().map(|&i| inputs[i].exposure.powi(2)).sum();
+            let share = if step_sq > 0.0 {
+                risk_budget * (sq / step_sq).sqrt()
             } else {
                 0.0
             };

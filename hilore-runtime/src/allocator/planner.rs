@@ -702,64 +702,24 @@ impl Allocator {
             p.capacity = cap;
             problems.push(p);
         }
-        // 2. One lambda for the step.
-        let solve_all = |lambda: Option<f64>| -> Result<Vec<Selection>> {
-            problems
-                .iter()
-                .map(|p| {
-                    let r = match lambda {
-                        None => {
-                            let mut q = p.clone();
-                            q.risk_budget = f64::INFINITY;
-                            self.solver.solve(&q)
-                        }
-                        Some(l) => self.solver.solve_at(p, l),
-                    };
-                    r.map_err(|e| Error::Tape(e.to_string()))
-                })
-                .collect()
+        // 2. Risks of different microbatches add in quadrature (their errors are
+        // independent): the step keeps `sum_m R_m^2 <= B^2`. Every microbatch's
+        // time-risk frontier comes from the linear Lagrangian (one frontier per byte
+        // shape, its picks evaluated on each member's own times and risks); one
+        // multiplier on the squares then picks a frontier point per microbatch.
+        let b2 = if risk_budget.is_finite() {
+            risk_budget.max(0.0).powi(2)
+        } else {
+            f64::INFINITY
         };
-        let total_risk = |s: &[Selection]| s.iter().map(|x| x.risk).sum::<f64>();
-        let mut sel = solve_all(None)?;
-        if total_risk(&sel) > risk_budget {
-            let secs: f64 = sel.iter().map(|s| s.seconds).sum();
-            let mut hi = secs.max(1e-12) / total_risk(&sel).max(1e-300);
-            let mut found = None;
-            for _ in 0..80 {
-                let s = solve_all(Some(hi))?;
-                if total_risk(&s) <= risk_budget {
-                    found = Some(s);
-                    break;
-                }
-                hi *= 4.0;
-            }
-            let Some(mut best) = found else {
-                let s = solve_all(Some(hi))?;
-                return Err(Error::Tape(format!(
-                    "risk budget {risk_budget:.4e} is infeasible under this memory budget: the least risk any plan that fits reaches is {:.4e}",
-                    total_risk(&s)
-                )));
-            };
-            let mut lo = 0.0f64;
-            for _ in 0..self.solver.lambda_steps {
-                let mid = if lo == 0.0 {
-                    hi / 16.0
-                } else {
-                    (lo * hi).sqrt()
-                };
-                let s = solve_all(Some(mid))?;
-                if total_risk(&s) <= risk_budget {
-                    hi = mid;
-                    best = s;
-                } else {
-                    lo = mid;
-                }
-                if lo > 0.0 && hi / lo < 1.0 + 1e-3 {
-                    break;
-                }
-            }
-            sel = best;
-        }
+        let step = self.solver.solve_step(&problems, risk_budget).map_err(|e| match e {
+            Infeasible::Risk { min_risk, budget } => Error::Tape(format!(
+                "risk budget {budget:.4e} is infeasible under this memory budget: the least risk any plan that fits reaches is {min_risk:.4e} (microbatch risks added in quadrature)"
+            )),
+            e => Error::Tape(e.to_string()),
+        })?;
+        checks += step.solves;
+        let sel = step.selections;
         // 3. Exact check of every plan (the capacity was searched without the risk
         // term; a different selection may have another transient).
         let mut out = Vec::with_capacity(mbs.len());
@@ -804,9 +764,9 @@ impl Allocator {
                     .iter()
                     .enumerate()
                     .filter(|(j, _)| *j != k)
-                    .map(|(_, r)| r)
+                    .map(|(_, r)| r * r)
                     .sum();
-                q.risk_budget = (risk_budget - others).max(0.0);
+                q.risk_budget = (b2 - others).max(0.0).sqrt();
                 s = self.solver.solve(&q).map_err(|e| {
                     Error::Tape(format!(
                         "no plan fits the memory budget of {total_budget} bytes within the risk budget: {e}"

@@ -12,19 +12,30 @@
 //! every row of the microbatch, so `exposure(u, m)` is the microbatch's exposure). `kappa`
 //! is calibrated by measurement: the L2 norm of the parameter-gradient error when only
 //! that unit is compressed, divided by the calibration microbatch's exposure (and by the
-//! unit's number of calls when they were compressed together). Risks add: by the
-//! triangle inequality the sum bounds the norm of the combined error when the model holds
-//! per unit; `hilore bench` reports predicted against measured totals on held-out
-//! microbatches (errors from different units are largely independent, so the measured
-//! total is usually well below the sum).
+//! unit's number of calls when they were compressed together). Within a microbatch risks
+//! add: by the triangle inequality the sum bounds the norm of the combined error when the
+//! model holds per unit; `hilore bench` reports predicted against measured totals on
+//! held-out microbatches (errors from different units are largely independent, so the
+//! measured total is usually well below the sum).
 //!
-//! The risk budget of an optimizer step is `target_rel_l2 * gamma * exposure(step) / rho`,
-//! with `gamma` the calibrated ratio `||exact step gradient|| / exposure(step)` and `rho`
+//! Across the microbatches of an optimizer step, errors come from different data and are
+//! independent, and so are the microbatches' own gradients (GRPO advantages are centred
+//! per group): both add in quadrature. With `R_m` the summed risk of microbatch `m` and
+//! `E_m` its exposure, the step's gradient error is about `sqrt(sum R_m^2)` and its exact
+//! gradient norm about `gamma * sqrt(sum E_m^2)`. The risk budget of a step is therefore
+//! a bound on `sqrt(sum R_m^2)`:
+//!
+//! `B = target_rel_l2 * gamma * sqrt(sum E_m^2) / rho`,
+//!
+//! with `gamma` calibrated as `||sum of the calibration microbatches' exact gradients|| /
+//! sqrt(sum of their E_m^2)` (the same model applied to the calibration data) and `rho`
 //! the calibrated ratio of measured to summed predicted error when every unit is
-//! compressed at once (the sum is a triangle-inequality bound; independent errors add
-//! in quadrature, so the real combined error is smaller): a relative error target on the
-//! step's update (default 1e-2) turned into an absolute budget on summed risk. Microbatches with little exposure (most sequences with advantage 0) then
-//! carry little risk and can take cheap lossy fidelities; that is what exposure buys.
+//! compressed at once. A linear sum over microbatches would overstate the gradient norm
+//! by up to `sqrt(M)` for `M` microbatches and let one microbatch's error exceed the
+//! target by that factor when the lossy plans land on few microbatches.
+//!
+//! Microbatches with little exposure (most sequences with advantage 0) then carry little
+//! risk and can take cheap lossy fidelities; that is what exposure buys.
 
 use serde::Serialize;
 use std::collections::BTreeMap;
@@ -37,7 +48,8 @@ pub const DEFAULT_TARGET_REL_L2: f64 = 1e-2;
 pub struct RiskModel {
     /// Gradient-error norm per unit of exposure, per (unit, call, codec).
     pub kappa: BTreeMap<(String, usize, String), f64>,
-    /// `||exact gradient|| / exposure` of the calibration data.
+    /// `||exact gradient|| / sqrt(sum of squared microbatch exposures)` of the
+    /// calibration data.
     pub grad_norm_per_exposure: Option<f64>,
     /// Measured / predicted error when many units are compressed at once (calibrated;
     /// 1 until then). Summed risks bound the combined error by the triangle inequality;
@@ -78,15 +90,29 @@ impl RiskModel {
         (!v.is_empty()).then(|| v.iter().sum::<f64>() / v.len() as f64)
     }
 
-    /// The absolute risk budget of a step of the given exposure for a relative L2 target:
-    /// `target * gamma * exposure / additivity_ratio`.
-    pub fn step_budget(&self, target_rel_l2: f64, step_exposure: f64) -> Option<f64> {
+    /// Sets `gamma` from one whole step's exact gradient norm and its microbatches'
+    /// exposures: `gamma = ||G|| / sqrt(sum E_m^2)` (see the module docs). Better than the
+    /// calibration microbatches' estimate when a step's microbatch gradients cancel in
+    /// part (GRPO advantages are centred per group, and a group may span microbatches).
+    /// No-op when the step has no exposure.
+    pub fn calibrate_step_norm(&mut self, step_grad_norm: f64, exposures: &[f64]) {
+        let e = exposures.iter().map(|e| e * e).sum::<f64>().sqrt();
+        if e > 0.0 && step_grad_norm.is_finite() {
+            self.grad_norm_per_exposure = Some(step_grad_norm / e);
+        }
+    }
+
+    /// The absolute risk budget of a step whose microbatches have the given exposures, a
+    /// bound on `sqrt(sum_m R_m^2)` (see the module docs):
+    /// `target * gamma * sqrt(sum E_m^2) / additivity_ratio`.
+    pub fn step_budget(&self, target_rel_l2: f64, exposures: &[f64]) -> Option<f64> {
         let rho = self
             .additivity_ratio
             .filter(|r| *r > 0.0 && r.is_finite())
             .unwrap_or(1.0);
+        let norm = exposures.iter().map(|e| e * e).sum::<f64>().sqrt();
         self.grad_norm_per_exposure
-            .map(|g| target_rel_l2 * g * step_exposure / rho)
+            .map(|g| target_rel_l2 * g * norm / rho)
     }
 }
 
@@ -170,6 +196,14 @@ mod tests {
         r.set_kappa("u", 0, "fp8", 2e-3);
         assert_eq!(r.risk("u", 0, "fp8", 10.0), Some(2e-2));
         assert_eq!(r.risk("u", 1, "fp8", 10.0), None);
-        assert_eq!(r.step_budget(1e-2, 100.0), Some(0.5));
+        // One microbatch: 1e-2 * 0.5 * 100.
+        assert_eq!(r.step_budget(1e-2, &[100.0]), Some(0.5));
+        // Two of 30 and 40 add in quadrature: sqrt(900 + 1600) = 50.
+        assert_eq!(r.step_budget(1e-2, &[30.0, 40.0]), Some(0.25));
+        // A step of norm 10 over exposures 30 and 40: gamma = 10 / 50.
+        r.calibrate_step_norm(10.0, &[30.0, 40.0]);
+        assert_eq!(r.grad_norm_per_exposure, Some(0.2));
+        r.calibrate_step_norm(10.0, &[0.0]);
+        assert_eq!(r.grad_norm_per_exposure, Some(0.2));
     }
 }

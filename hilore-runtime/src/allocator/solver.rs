@@ -109,6 +109,17 @@ pub struct Selection {
     pub lambda: f64,
 }
 
+/// A step's selections from [`Solver::solve_step`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct StepSelection {
+    /// One per problem, in order.
+    pub selections: Vec<Selection>,
+    /// The multiplier on the summed squared risks (0 when the budget did not bind).
+    pub lambda: f64,
+    /// DP solves it took.
+    pub solves: usize,
+}
+
 impl Problem {
     /// The choices a selection takes, in group order.
     pub fn chosen<'a>(&'a self, picks: &'a [Pick]) -> impl Iterator<Item = &'a Choice> + 'a {
@@ -473,6 +484,260 @@ impl Solver {
         }
     }
 
+    /// The vertices of a problem's time-risk frontier within its capacity, most risk
+    /// first: the selections that minimise `seconds + mu * risk` for some `mu >= 0`.
+    /// Found by solving where two known vertices tie (Eisner-Severance: one solve per
+    /// vertex and one per edge; at most 64 solves). Returns the vertices and the number
+    /// of solves.
+    pub fn frontier(
+        &self,
+        problem: &Problem,
+    ) -> std::result::Result<(Vec<Selection>, usize), Infeasible> {
+        let fast = self.solve_at(problem, 0.0)?;
+        if fast.risk <= 0.0 {
+            return Ok((vec![fast], 1));
+        }
+        // A multiplier so large that only risk matters (ties among the least-risk
+        // selections broken by time when that risk is zero).
+        let big = 1e9 * fast.seconds.abs().max(1e-12) / fast.risk;
+        let safe = self.solve_at(problem, big)?;
+        let mut out = vec![fast.clone(), safe.clone()];
+        let mut stack = vec![(fast, safe)];
+        let mut solves = 2;
+        while let Some((a, b)) = stack.pop() {
+            // a: more risk, less time; b: less risk, more time.
+            let dr = a.risk - b.risk;
+            if dr <= 1e-12 * a.risk || solves >= 64 {
+                continue;
+            }
+            let mu = (b.seconds - a.seconds) / dr;
+            if !(mu.is_finite() && mu > 0.0) {
+                continue;
+            }
+            let m = self.solve_at(problem, mu)?;
+            solves += 1;
+            let vm = m.seconds + mu * m.risk;
+            let va = a.seconds + mu * a.risk;
+            // No vertex strictly below the line through a and b: the edge is on the hull.
+            if vm >= va - 1e-12 * va.abs().max(1e-12) || m.risk >= a.risk || m.risk <= b.risk {
+                continue;
+            }
+            out.push(m.clone());
+            stack.push((a, m.clone()));
+            stack.push((m, b));
+        }
+        out.sort_by(|x, y| y.risk.total_cmp(&x.risk));
+        out.dedup_by(|x, y| x.picks == y.picks);
+        Ok((out, solves))
+    }
+
+    /// Plans the microbatches of one step under one risk budget on their summed squares:
+    /// `sum_m R_m^2 <= risk_budget^2` (microbatch errors are independent and add in
+    /// quadrature; see [`super::risk`]), each within its own capacity, minimising the
+    /// summed time.
+    ///
+    /// Each microbatch's choices are the vertices of its time-risk frontier (problems
+    /// with the same byte figures share one frontier, computed on the member with the
+    /// most risk, and evaluated on every member's own times and risks); one multiplier
+    /// `lambda` on the squares then gives every microbatch the vertex minimising
+    /// `seconds + lambda * R^2`, and `lambda` is bisected to the least value that meets
+    /// the budget. The risk a microbatch may take therefore falls with its exposure:
+    /// microbatches that can barely move the update absorb the lossy fidelities.
+    pub fn solve_step(
+        &self,
+        problems: &[Problem],
+        risk_budget: f64,
+    ) -> std::result::Result<StepSelection, Infeasible> {
+        let b2 = if risk_budget.is_finite() {
+            risk_budget.max(0.0).powi(2)
+        } else {
+            f64::INFINITY
+        };
+        let mut solves = 0;
+        let fastest: Vec<Selection> = problems
+            .iter()
+            .map(|p| {
+                solves += 1;
+                self.solve_at(p, 0.0)
+            })
+            .collect::<std::result::Result<_, _>>()?;
+        let sum_sq = |r: &mut dyn Iterator<Item = f64>| r.map(|x| x * x).sum::<f64>();
+        if sum_sq(&mut fastest.iter().map(|s| s.risk)) <= b2 {
+            return Ok(StepSelection {
+                selections: fastest,
+                lambda: 0.0,
+                solves,
+            });
+        }
+        // Classes of problems with the same byte figures; the member with the most risk
+        // represents its class (a zero-exposure representative has a flat frontier).
+        let mut reps: Vec<usize> = Vec::new();
+        let mut class_of = Vec::with_capacity(problems.len());
+        for (k, p) in problems.iter().enumerate() {
+            match reps.iter().position(|&r| same_shape(&problems[r], p)) {
+                Some(c) => {
+                    if fastest[k].risk > fastest[reps[c]].risk {
+                        reps[c] = k;
+                    }
+                    class_of.push(c);
+                }
+                None => {
+                    reps.push(k);
+                    class_of.push(reps.len() - 1);
+                }
+            }
+        }
+        let mut frontiers: Vec<Vec<Vec<Pick>>> = Vec::with_capacity(reps.len());
+        for &r in &reps {
+            let (f, n) = self.frontier(&problems[r])?;
+            solves += n;
+            frontiers.push(f.into_iter().map(|s| s.picks).collect());
+        }
+        // Every member's candidates (seconds, risk) in its own figures; index 0 is its
+        // own fastest selection.
+        let cands: Vec<Vec<(f64, f64)>> = problems
+            .iter()
+            .enumerate()
+            .map(|(k, p)| {
+                std::iter::once((fastest[k].seconds, fastest[k].risk))
+                    .chain(frontiers[class_of[k]].iter().map(|picks| {
+                        let (t, r, _) = p.totals(picks);
+                        (t, r)
+                    }))
+                    .collect()
+            })
+            .collect();
+        let choose = |lambda: f64| -> Vec<usize> {
+            cands
+                .iter()
+                .map(|c| {
+                    let mut best = 0;
+                    for (j, &(t, r)) in c.iter().enumerate() {
+                        let (bt, br) = c[best];
+                        let v = t + lambda * r * r;
+                        let bv = bt + lambda * br * br;
+                        if v < bv || (v == bv && r < br) {
+                            best = j;
+                        }
+                    }
+                    best
+                })
+                .collect()
+        };
+        let sq_of =
+            |ch: &[usize]| -> f64 { ch.iter().zip(&cands).map(|(&j, c)| c[j].1 * c[j].1).sum() };
+        // The least reachable: every microbatch at its least-risk candidate.
+        let least: Vec<usize> = cands
+            .iter()
+            .map(|c| {
+                (0..c.len())
+                    .min_by(|&a, &b| c[a].1.total_cmp(&c[b].1).then(c[a].0.total_cmp(&c[b].0)))
+                    .unwrap_or(0)
+            })
+            .collect();
+        if sq_of(&least) > b2 {
+            return Err(Infeasible::Risk {
+                min_risk: sq_of(&least).sqrt(),
+                budget: risk_budget,
+            });
+        }
+        let t0: f64 = fastest.iter().map(|s| s.seconds).sum();
+        let r0: f64 = sum_sq(&mut fastest.iter().map(|s| s.risk));
+        let mut hi = t0.abs().max(1e-12) / r0.max(1e-300);
+        let mut best = None;
+        for _ in 0..400 {
+            let c = choose(hi);
+            if sq_of(&c) <= b2 {
+                best = Some(c);
+                break;
+            }
+            hi *= 4.0;
+        }
+        // Past every multiplier tried, fall back to the least-risk candidates (they fit).
+        let mut best = best.unwrap_or(least);
+        let mut lo = 0.0f64;
+        for _ in 0..200 {
+            let mid = if lo == 0.0 {
+                hi / 16.0
+            } else {
+                (lo * hi).sqrt()
+            };
+            let c = choose(mid);
+            if sq_of(&c) <= b2 {
+                hi = mid;
+                best = c;
+            } else {
+                lo = mid;
+            }
+            if lo > 0.0 && hi / lo < 1.0 + 1e-9 {
+                break;
+            }
+        }
+        // The multiplier's choice can leave budget unused (the frontier is discrete):
+        // spend the slack greedily on the largest time gains. Equal shares
+        // (`R_m <= B / sqrt(M)`, the fastest vertex within) are a second feasible start;
+        // the faster of the two is kept.
+        let fill = |mut ch: Vec<usize>| -> Vec<usize> {
+            loop {
+                let slack = b2 - sq_of(&ch);
+                let mut mv: Option<(usize, usize, f64)> = None;
+                for (k, c) in cands.iter().enumerate() {
+                    let (t, r) = c[ch[k]];
+                    for (j, &(tj, rj)) in c.iter().enumerate() {
+                        let gain = t - tj;
+                        if gain > 1e-15 && rj * rj - r * r <= slack && mv.is_none_or(|m| gain > m.2)
+                        {
+                            mv = Some((k, j, gain));
+                        }
+                    }
+                }
+                match mv {
+                    Some((k, j, _)) => ch[k] = j,
+                    None => return ch,
+                }
+            }
+        };
+        let secs_of = |ch: &[usize]| -> f64 { ch.iter().zip(&cands).map(|(&j, c)| c[j].0).sum() };
+        let best = fill(best);
+        let share = (b2 / problems.len() as f64).sqrt();
+        let equal: Option<Vec<usize>> = cands
+            .iter()
+            .map(|c| {
+                (0..c.len())
+                    .filter(|&j| c[j].1 <= share)
+                    .min_by(|&a, &b| c[a].0.total_cmp(&c[b].0))
+            })
+            .collect();
+        let best = match equal.map(fill) {
+            Some(e) if sq_of(&e) <= b2 && secs_of(&e) < secs_of(&best) => e,
+            _ => best,
+        };
+        let selections = best
+            .iter()
+            .enumerate()
+            .map(|(k, &j)| {
+                if j == 0 {
+                    return fastest[k].clone();
+                }
+                let picks = frontiers[class_of[k]][j - 1].clone();
+                let (seconds, risk, bytes) = problems[k].totals(&picks);
+                Selection {
+                    picks,
+                    seconds,
+                    risk,
+                    bytes,
+                    // The linear multiplier this vertex answers to: d(lambda R^2)/dR.
+                    lambda: 2.0 * hi * risk,
+                }
+            })
+            .collect();
+        Ok(StepSelection {
+            selections,
+            lambda: hi,
+            solves,
+        })
+    }
+
     /// The bucket size (bytes) the DP would use for `problem`.
     pub fn bucket_bytes(&self, problem: &Problem) -> i64 {
         let room = problem.capacity - problem.min_bytes();
@@ -565,4 +830,28 @@ pub fn brute_force(problem: &Problem, capacity: i64, risk_budget: f64) -> Option
         }
     }
     best
+}
+
+/// Whether two problems share their choices' bytes and capacity (microbatches of one
+/// size: their selections are interchangeable, only times and risks differ).
+pub fn same_shape(a: &Problem, b: &Problem) -> bool {
+    fn bytes(p: &Problem) -> Vec<i64> {
+        let mut v = Vec::new();
+        for g in &p.groups {
+            v.push(g.whole.len() as i64);
+            v.extend(g.whole.iter().map(|c| c.bytes));
+            if let Some(o) = &g.opened {
+                v.push(o.parts.len() as i64);
+                v.push(o.base.bytes);
+                for part in &o.parts {
+                    v.push(part.len() as i64);
+                    v.extend(part.iter().map(|c| c.bytes));
+                }
+            } else {
+                v.push(-1);
+            }
+        }
+        v
+    }
+    a.capacity == b.capacity && a.groups.len() == b.groups.len() && bytes(a) == bytes(b)
 }

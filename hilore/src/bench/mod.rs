@@ -163,9 +163,10 @@ impl Ctx<'_> {
         let a = self.alloc;
         let inputs: Vec<_> = self.mbs.iter().map(|m| m.input).collect();
         let step_exposure: f64 = inputs.iter().map(|m| m.exposure).sum();
+        let exposures: Vec<f64> = inputs.iter().map(|m| m.exposure).collect();
         let risk_budget = a
             .risk
-            .step_budget(target, step_exposure)
+            .step_budget(target, &exposures)
             .unwrap_or(f64::INFINITY);
         let full = Offer {
             codecs: self.codecs.clone(),
@@ -198,7 +199,9 @@ impl Ctx<'_> {
                 .collect::<hilore_runtime::Result<Vec<_>>>()?,
             Kind::AdaccStyle => {
                 let mean = step_exposure / inputs.len() as f64;
-                let share = risk_budget / inputs.len() as f64;
+                // Equal shares whose squares add up to the step's budget (microbatch
+                // risks add in quadrature), each planned at the mean exposure.
+                let share = risk_budget / (inputs.len() as f64).sqrt();
                 inputs
                     .iter()
                     .map(|mb| {
@@ -378,7 +381,8 @@ struct PolicyRow {
     process_peak_heap_bytes: usize,
     grad_cosine: f64,
     grad_rel_l2: f64,
-    /// Sum over microbatches of the allocator's predicted risk (None when not modelled).
+    /// The allocator's predicted risk of the step: microbatch risks added in quadrature
+    /// (None when not modelled).
     predicted_risk: Option<f64>,
     solve_seconds: f64,
     solve_fraction_of_step: f64,
@@ -537,7 +541,13 @@ fn measure(
             process_peak_heap_bytes: heap[i],
             grad_cosine: cos,
             grad_rel_l2: rel,
-            predicted_risk: planned.predicted_risk.iter().copied().sum::<Option<f64>>(),
+            // Microbatch risks add in quadrature across the step.
+            predicted_risk: planned
+                .predicted_risk
+                .iter()
+                .map(|r| r.map(|r| r * r))
+                .sum::<Option<f64>>()
+                .map(f64::sqrt),
             solve_seconds: planned.solve_seconds,
             solve_fraction_of_step: planned.solve_seconds / med,
             time_split_seconds: TimeSplit {
@@ -663,8 +673,14 @@ pub fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
     // Two calibration microbatches with different squared lengths and nonzero exposure,
     // from a separate step (redrawn with the next seed while none has any exposure).
     let mut cal_mbs: Vec<Microbatch> = Vec::new();
+    // The first of those steps, whole: its exact gradient calibrates the step's
+    // gradient norm against its microbatches' exposures.
+    let mut norm_step: Vec<Microbatch> = Vec::new();
     for k in 0..32u64 {
         let step = grpo_step(&cfg, spec, args.seed.wrapping_add(1001 + k), &device)?;
+        if norm_step.is_empty() && step.iter().any(|m| m.input.exposure > 0.0) {
+            norm_step = step.clone();
+        }
         cal_mbs.extend(step.into_iter().filter(|m| m.input.exposure > 0.0));
         if cal_mbs.len() >= 2 {
             break;
@@ -746,7 +762,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
     let compress_passes = compressible * codecs.len();
     let cal_passes = cal_mbs.len() + compress_passes + recomputable * cal_mbs.len()
         - recomputable.min(compress_passes);
-    let cal_bar = bar(cal_passes as u64, "calibrating");
+    let cal_bar = bar((cal_passes + norm_step.len()) as u64, "calibrating");
     let cal_inputs: Vec<_> = cal_mbs.iter().map(|m| m.input).collect();
     let cal_report = {
         let mut runner = CalRunner {
@@ -763,6 +779,29 @@ pub fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
             &mut |_| {},
         )?
     };
+    // The gradient-norm scale of a whole held-out step (microbatch gradients partly
+    // cancel: GRPO advantages are centred per group), instead of two microbatches'.
+    let gamma_microbatches = allocator.risk.grad_norm_per_exposure;
+    {
+        let mut runner = CalRunner {
+            model: &model,
+            mbs: &norm_step,
+            bar: &cal_bar,
+        };
+        let mut sum: Vec<f64> = Vec::new();
+        for m in 0..norm_step.len() {
+            let r = runner.run(m, &Plan::store_all())?;
+            if sum.is_empty() {
+                sum = vec![0.0; r.grads.len()];
+            }
+            for (s, g) in sum.iter_mut().zip(&r.grads) {
+                *s += f64::from(*g);
+            }
+        }
+        let norm = sum.iter().map(|g| g * g).sum::<f64>().sqrt();
+        let exposures: Vec<f64> = norm_step.iter().map(|m| m.input.exposure).collect();
+        allocator.risk.calibrate_step_norm(norm, &exposures);
+    }
     cal_bar.finish_and_clear();
     let cal_seconds = t_cal.elapsed().as_secs_f64();
     eprintln!(
@@ -770,6 +809,12 @@ pub fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
         cal_seconds,
         cal_report.passes,
         allocator.risk.additivity_ratio.unwrap_or(f64::NAN)
+    );
+    eprintln!(
+        "gradient norm per unit of exposure (gamma): {:.4e} from a whole held-out step of {} microbatches ({:.4e} from the two calibration microbatches)",
+        allocator.risk.grad_norm_per_exposure.unwrap_or(f64::NAN),
+        norm_step.len(),
+        gamma_microbatches.unwrap_or(f64::NAN)
     );
 
     let gc_peak = allocator.simulate_peak(&baselines::gradient_checkpointing())?;
@@ -971,7 +1016,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
     acc.every_budgeted_peak_within_budget = budgeted().all(|r| r.fits_budget == Some(true));
     acc.every_budgeted_peak_equals_prediction = budgeted().all(|r| r.peak_matches_prediction);
 
-    let step_exposure: f64 = mbs.iter().map(|m| m.input.exposure).sum();
+    let exposures: Vec<f64> = mbs.iter().map(|m| m.input.exposure).collect();
     let report = Report {
         config: ConfigOut {
             model: cfg.clone(),
@@ -996,9 +1041,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
             budget_bytes,
             budget_factor: budget.factor(gc_total),
             target_rel_l2: args.target_rel_l2,
-            risk_budget: allocator
-                .risk
-                .step_budget(args.target_rel_l2, step_exposure),
+            risk_budget: allocator.risk.step_budget(args.target_rel_l2, &exposures),
             grad_norm_per_exposure: allocator.risk.grad_norm_per_exposure,
             risk_additivity_ratio: allocator.risk.additivity_ratio,
             calibration_passes: cal_report.passes,
