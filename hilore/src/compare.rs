@@ -6,12 +6,39 @@
 //! and the first rollout; they part only through the actor update's gradients (exact for
 //! GC, within the risk budget for HiLoRe) and then through everything downstream, so the
 //! paired difference of held-out accuracy measures what the lossy fidelities cost.
+//!
+//! The runs use [`DEFAULT_TRAIN_ARGS`] for every flag the arguments after `--` do not
+//! set: a decoder large enough (2 layers, hidden 192, MLP 512, 0.8 M parameters) that
+//! recomputing a unit costs more than encoding and decoding its activations, microbatches
+//! of 512 rows so that under full recompute the activation ledger is 35-45% of the
+//! actor-update peak (the rest: parameters, gradients and AdamW state), 8 sampled answers
+//! per held-out prompt (the accuracy's sampling noise is what a paired difference is
+//! measured against), and a run short enough that three seeds finish in minutes on two
+//! CPU cores. With the training
+//! defaults instead (a 94 k-parameter model) the allocator picks exact plans only and the
+//! comparison says nothing about the lossy fidelities; the report's fidelity counts (unit
+//! instances per step stored, compressed, recomputed) show which case a run is in.
 
 use anyhow::Context;
 use clap::Args;
 use serde::Serialize;
 use std::path::PathBuf;
 use std::process::{Command, ExitCode};
+
+/// `hilore train` flags of every compared run, unless the arguments after `--` set them.
+pub const DEFAULT_TRAIN_ARGS: [(&str, &str); 11] = [
+    ("--layers", "2"),
+    ("--hidden", "192"),
+    ("--intermediate", "512"),
+    ("--heads", "6"),
+    ("--kv-heads", "2"),
+    ("--token-budget", "512"),
+    ("--sft-lr", "1e-3"),
+    ("--steps", "60"),
+    ("--prompts", "16"),
+    ("--lr", "2e-4"),
+    ("--eval-samples", "8"),
+];
 
 #[derive(Args)]
 pub struct CompareArgs {
@@ -26,7 +53,9 @@ pub struct CompareArgs {
     #[arg(long, value_name = "DIR")]
     dir: Option<PathBuf>,
     /// Arguments passed to every `hilore train` run (after `--`), e.g.
-    /// `-- --steps 40 --prompts 16`.
+    /// `-- --steps 60 --prompts 32`; they replace the compare defaults of the same flags
+    /// (--layers 2 --hidden 192 --intermediate 512 --heads 6 --kv-heads 2 --token-budget
+    /// 512 --sft-lr 1e-3 --steps 60 --prompts 16 --lr 2e-4 --eval-samples 8).
     #[arg(last = true)]
     train_args: Vec<String>,
 }
@@ -39,6 +68,14 @@ struct RunSummary {
     heldout_accuracy_after: f64,
     update_tokens_per_s: f64,
     peak_activation_bytes: u64,
+    /// Parameters + gradients + AdamW state (16 bytes per parameter).
+    state_bytes: u64,
+    /// The activation ledger's share of the actor-update peak (ledger + state).
+    ledger_share: f64,
+    /// Unit instances per GRPO step (mean) stored, compressed and recomputed.
+    instances_store: f64,
+    instances_compress: f64,
+    instances_recompute: f64,
     seconds: f64,
 }
 
@@ -54,8 +91,53 @@ struct Report {
     paired_diff_pp_std: f64,
     gc_update_tokens_per_s: Vec<f64>,
     hilore_update_tokens_per_s: Vec<f64>,
+    /// Means over seeds of the actor-update tokens/s.
+    gc_update_tokens_per_s_mean: f64,
+    hilore_update_tokens_per_s_mean: f64,
+    /// HiLoRe's unit instances per step (mean over steps and seeds) by fidelity.
+    hilore_instances_per_step: Fidelities,
+    /// GC's, for reference (recompute and store only).
+    gc_instances_per_step: Fidelities,
+    /// GC's activation ledger share of the actor-update peak (mean over seeds).
+    gc_ledger_share: f64,
     runs: Vec<RunSummary>,
     train_args: Vec<String>,
+}
+
+#[derive(Serialize, Default, Clone, Copy)]
+struct Fidelities {
+    store: f64,
+    compress: f64,
+    recompute: f64,
+}
+
+impl Fidelities {
+    fn mean_of(runs: &[&RunSummary]) -> Self {
+        let n = runs.len().max(1) as f64;
+        Fidelities {
+            store: runs.iter().map(|r| r.instances_store).sum::<f64>() / n,
+            compress: runs.iter().map(|r| r.instances_compress).sum::<f64>() / n,
+            recompute: runs.iter().map(|r| r.instances_recompute).sum::<f64>() / n,
+        }
+    }
+}
+
+/// `extra` with every default flag it does not set.
+fn with_defaults(extra: &[String]) -> Vec<String> {
+    let given = |flag: &str| {
+        extra
+            .iter()
+            .any(|a| a == flag || a.starts_with(&format!("{flag}=")))
+    };
+    let mut v = Vec::new();
+    for (flag, value) in DEFAULT_TRAIN_ARGS {
+        if !given(flag) {
+            v.push(flag.to_string());
+            v.push(value.to_string());
+        }
+    }
+    v.extend(extra.iter().cloned());
+    v
 }
 
 fn run_one(
@@ -86,13 +168,23 @@ fn run_one(
             .with_context(|| format!("reading {}", summary.display()))?,
     )?;
     let f = |k: &str| v[k].as_f64().unwrap_or(f64::NAN);
+    let inst = |k: &str| v["instances_per_step"][k].as_f64().unwrap_or(f64::NAN);
+    let peak = v["peak_activation_bytes"].as_u64().unwrap_or(0);
+    // AdamW keeps two f32 moments (8 bytes per parameter); parameters and gradients
+    // another 8.
+    let state = 2 * v["optimizer_state_bytes"].as_u64().unwrap_or(0);
     Ok(RunSummary {
         seed,
         policy: policy.to_string(),
         heldout_accuracy_before: f("heldout_accuracy_before"),
         heldout_accuracy_after: f("heldout_accuracy_after"),
         update_tokens_per_s: f("update_tokens_per_s"),
-        peak_activation_bytes: v["peak_activation_bytes"].as_u64().unwrap_or(0),
+        peak_activation_bytes: peak,
+        state_bytes: state,
+        ledger_share: peak as f64 / (peak + state).max(1) as f64,
+        instances_store: inst("store"),
+        instances_compress: inst("compress"),
+        instances_recompute: inst("recompute"),
         seconds: f("seconds"),
     })
 }
@@ -104,14 +196,15 @@ pub fn run(args: CompareArgs) -> anyhow::Result<ExitCode> {
         None => std::env::temp_dir().join(format!("hilore-compare-{}", std::process::id())),
     };
     std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+    let train_args = with_defaults(&args.train_args);
     let mut runs = Vec::new();
     let (mut gc, mut hil, mut gct, mut hit, mut diff) =
         (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
     for &seed in &args.seeds {
         eprintln!("seed {seed}: full recompute");
-        let a = run_one(seed, "recompute", &dir, &args.train_args)?;
+        let a = run_one(seed, "recompute", &dir, &train_args)?;
         eprintln!("seed {seed}: hilore");
-        let b = run_one(seed, "hilore", &dir, &args.train_args)?;
+        let b = run_one(seed, "hilore", &dir, &train_args)?;
         gc.push(a.heldout_accuracy_after);
         hil.push(b.heldout_accuracy_after);
         gct.push(a.update_tokens_per_s);
@@ -127,7 +220,16 @@ pub fn run(args: CompareArgs) -> anyhow::Result<ExitCode> {
     } else {
         0.0
     };
+    let mean_of = |v: &[f64]| v.iter().sum::<f64>() / v.len().max(1) as f64;
+    let of = |p: &str| runs.iter().filter(|r| r.policy == p).collect::<Vec<_>>();
+    let (gc_runs, hilore_runs) = (of("recompute"), of("hilore"));
     let report = Report {
+        gc_update_tokens_per_s_mean: mean_of(&gct),
+        hilore_update_tokens_per_s_mean: mean_of(&hit),
+        hilore_instances_per_step: Fidelities::mean_of(&hilore_runs),
+        gc_instances_per_step: Fidelities::mean_of(&gc_runs),
+        gc_ledger_share: gc_runs.iter().map(|r| r.ledger_share).sum::<f64>()
+            / gc_runs.len().max(1) as f64,
         seeds: args.seeds.clone(),
         gc_accuracy: gc,
         hilore_accuracy: hil,
@@ -137,23 +239,48 @@ pub fn run(args: CompareArgs) -> anyhow::Result<ExitCode> {
         gc_update_tokens_per_s: gct,
         hilore_update_tokens_per_s: hit,
         runs,
-        train_args: args.train_args.clone(),
+        train_args,
     };
     println!(
-        "{:>6} {:>12} {:>12} {:>10} {:>14} {:>14}",
-        "seed", "GC acc", "HiLoRe acc", "diff pp", "GC upd tok/s", "HiLoRe tok/s"
+        "{:>6} {:>12} {:>12} {:>10} {:>14} {:>14} {:>22}",
+        "seed",
+        "GC acc",
+        "HiLoRe acc",
+        "diff pp",
+        "GC upd tok/s",
+        "HiLoRe tok/s",
+        "HiLoRe units s/c/r"
     );
     for i in 0..report.seeds.len() {
+        let h = &report.runs[2 * i + 1];
         println!(
-            "{:>6} {:>12.4} {:>12.4} {:>10.2} {:>14.0} {:>14.0}",
+            "{:>6} {:>12.4} {:>12.4} {:>10.2} {:>14.0} {:>14.0} {:>22}",
             report.seeds[i],
             report.gc_accuracy[i],
             report.hilore_accuracy[i],
             report.paired_diff_pp[i],
             report.gc_update_tokens_per_s[i],
-            report.hilore_update_tokens_per_s[i]
+            report.hilore_update_tokens_per_s[i],
+            format!(
+                "{:.1}/{:.1}/{:.1}",
+                h.instances_store, h.instances_compress, h.instances_recompute
+            )
         );
     }
+    let (hf, gf) = (
+        report.hilore_instances_per_step,
+        report.gc_instances_per_step,
+    );
+    println!(
+        "unit instances per step (mean), stored / compressed / recomputed: HiLoRe {:.1} / {:.1} / {:.1}, GC {:.1} / {:.1} / {:.1}",
+        hf.store, hf.compress, hf.recompute, gf.store, gf.compress, gf.recompute
+    );
+    println!(
+        "GC's activation ledger: {:.1}% of the actor-update peak (the rest: parameters, gradients, AdamW state); actor update {:.0} tok/s GC, {:.0} tok/s HiLoRe (mean)",
+        100.0 * report.gc_ledger_share,
+        report.gc_update_tokens_per_s_mean,
+        report.hilore_update_tokens_per_s_mean
+    );
     println!(
         "paired held-out accuracy difference (HiLoRe - GC): {:+.2} pp mean, {:.2} pp std over {} seeds",
         mean,

@@ -1,5 +1,6 @@
 //! `hilore train` end to end at a tiny size: metrics and summary files, bit-identical
-//! resume (after a clean stop and after a kill), every task and policy, bad input.
+//! resume (after a clean stop, after a kill, and with the allocator's lossy plans after
+//! its calibration), every task and policy, bad input.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -96,6 +97,35 @@ fn checkpoint_tensors(dir: &Path) -> Vec<u8> {
     b[24 + n..].to_vec()
 }
 
+/// The checkpoint's JSON header.
+fn checkpoint_header(dir: &Path) -> serde_json::Value {
+    let b = std::fs::read(dir.join("run.ckpt")).unwrap();
+    let n = u64::from_le_bytes(b[16..24].try_into().unwrap()) as usize;
+    serde_json::from_slice(&b[24..24 + n]).unwrap()
+}
+
+/// Rewrites the checkpoint with `header` (same tensors).
+fn write_checkpoint_header(dir: &Path, header: &serde_json::Value) {
+    let b = std::fs::read(dir.join("run.ckpt")).unwrap();
+    let n = u64::from_le_bytes(b[16..24].try_into().unwrap()) as usize;
+    let h = serde_json::to_vec(header).unwrap();
+    let mut out = b[..16].to_vec();
+    out.extend_from_slice(&(h.len() as u64).to_le_bytes());
+    out.extend_from_slice(&h);
+    out.extend_from_slice(&b[24 + n..]);
+    std::fs::write(dir.join("run.ckpt"), out).unwrap();
+}
+
+/// Copies every file of `from` into a fresh directory `to`.
+fn copy_dir(from: &Path, to: &Path) {
+    let _ = std::fs::remove_dir_all(to);
+    std::fs::create_dir_all(to).unwrap();
+    for e in std::fs::read_dir(from).unwrap() {
+        let e = e.unwrap();
+        std::fs::copy(e.path(), to.join(e.file_name())).unwrap();
+    }
+}
+
 #[test]
 fn metrics_and_summary_have_the_documented_fields() {
     let dir = tmp("fields");
@@ -121,6 +151,9 @@ fn metrics_and_summary_have_the_documented_fields() {
             "rollout_tokens_per_s",
             "peak_activation_bytes",
             "optimizer_state_bytes",
+            "instances_store",
+            "instances_compress",
+            "instances_recompute",
         ] {
             assert!(
                 line[key].is_number(),
@@ -199,6 +232,13 @@ fn resume_after_a_stop_is_bit_identical() {
         checkpoint_tensors(&a),
         checkpoint_tensors(&b),
         "final weights and optimizer state"
+    );
+    // The default policy: the allocator planned every step (here every plan is exact, so
+    // the two runs' separate calibrations cannot part them; see the lossy test below).
+    assert_eq!(summary(&a)["policy"], "hilore");
+    assert_eq!(
+        checkpoint_header(&b)["state"]["allocator"]["calibrated"],
+        true
     );
     let (sa, sb) = (summary(&a), summary(&b));
     for key in [
@@ -280,6 +320,96 @@ fn resume_after_a_kill_matches_an_uninterrupted_run() {
     assert_eq!(checkpoint_tensors(&a), checkpoint_tensors(&b));
     std::fs::remove_dir_all(&a).unwrap();
     std::fs::remove_dir_all(&b).unwrap();
+}
+
+/// A size at which the allocator compresses: hidden 192 makes recomputing a unit cost
+/// more than encoding and decoding its activations, two layers make full recompute save
+/// memory (with one, backward re-creates all of it at once), and at 1.10 x full
+/// recompute's peak there is room for compressed units but not for stored ones. With
+/// seed 3 the first step has no exposure, so the allocator calibrates on step 2.
+const LOSSY: [&str; 18] = [
+    "--task",
+    "countdown",
+    "--layers",
+    "2",
+    "--hidden",
+    "192",
+    "--intermediate",
+    "512",
+    "--heads",
+    "6",
+    "--kv-heads",
+    "2",
+    "--token-budget",
+    "512",
+    "--prompts",
+    "8",
+    "--steps",
+    "6",
+];
+
+#[test]
+fn resume_after_calibration_with_lossy_plans_is_bit_identical() {
+    // Two runs calibrate separately (measured times differ), so they are compared from a
+    // common checkpoint written after the calibration: one continues uninterrupted, the
+    // other stops and resumes. Their plans, which decide which units are compressed and
+    // so the gradients' bits, must be the same.
+    let base = tmp("lossy-base");
+    let out = run_ok(&tiny(&base, &[&LOSSY[..], &["--stop-after", "2"]].concat()));
+    assert!(out.contains("stopped after step 2"), "{out}");
+    let header = checkpoint_header(&base);
+    let alloc = &header["state"]["allocator"];
+    assert_eq!(
+        alloc["calibrated"], true,
+        "calibrated before the copy: {alloc}"
+    );
+    let a = tmp("lossy-a");
+    let b = tmp("lossy-b");
+    copy_dir(&base, &a);
+    copy_dir(&base, &b);
+    run_ok(&tiny(&a, &[&LOSSY[..], &["--resume"]].concat()));
+    let out = run_ok(&tiny(
+        &b,
+        &[&LOSSY[..], &["--resume", "--stop-after", "4"]].concat(),
+    ));
+    assert!(out.contains("stopped after step 4"), "{out}");
+    run_ok(&tiny(&b, &[&LOSSY[..], &["--resume"]].concat()));
+    let (ma, mb) = (deterministic_metrics(&a), deterministic_metrics(&b));
+    assert_eq!(ma.len(), 6);
+    // Not vacuous: after the resume point the plans compressed unit instances.
+    let compressed: u64 = ma[4..]
+        .iter()
+        .map(|l| l["instances_compress"].as_u64().unwrap())
+        .sum();
+    assert!(compressed > 0, "no lossy plan after the resume: {ma:?}");
+    assert_eq!(ma, mb);
+    assert_eq!(checkpoint_tensors(&a), checkpoint_tensors(&b));
+    // The resumed runs measured nothing again: their allocator states are the one that
+    // was checkpointed, bit for bit (a new calibration's times would differ).
+    for d in [&a, &b] {
+        assert_eq!(checkpoint_header(d)["state"]["allocator"], *alloc);
+    }
+    // A checkpoint without the allocator's state (as older versions wrote) resumes with a
+    // note and a new calibration, not an error or a panic.
+    let mut h = checkpoint_header(&base);
+    h["state"].as_object_mut().unwrap().remove("allocator");
+    let c = tmp("lossy-old");
+    copy_dir(&base, &c);
+    write_checkpoint_header(&c, &h);
+    let out = run_ok(&tiny(&c, &[&LOSSY[..], &["--resume"]].concat()));
+    assert!(out.contains("holds no allocator state"), "{out}");
+    assert_eq!(deterministic_metrics(&c).len(), 6);
+    // A corrupt allocator state is a clear error.
+    h["state"]["allocator"] = serde_json::json!({"calibrated": "yes"});
+    write_checkpoint_header(&c, &h);
+    let args = tiny(&c, &[&LOSSY[..], &["--resume"]].concat());
+    let a2: Vec<&str> = args.iter().map(String::as_str).collect();
+    let (code, _, err) = hilore(&a2);
+    assert_ne!(code, 0);
+    assert!(err.contains("corrupt allocator state"), "{err}");
+    for d in [base, a, b, c] {
+        std::fs::remove_dir_all(&d).unwrap();
+    }
 }
 
 #[test]
@@ -416,6 +546,11 @@ fn bad_input_is_a_clear_error() {
     let e = err_of(&["--policy", "fast"]);
     assert!(
         e.contains("unknown --policy `fast`") && e.contains("compress-<codec>"),
+        "{e}"
+    );
+    let e = err_of(&["--policy", "store", "--refresh-costs"]);
+    assert!(
+        e.contains("--refresh-costs") && e.contains("--policy hilore"),
         "{e}"
     );
     let e = err_of(&["--policy", "compress-fp3"]);

@@ -8,7 +8,7 @@
 //! evaluated in; it can be given as a factor of that peak or in bytes.
 
 use crate::{Error, Result};
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use std::fmt;
 use std::str::FromStr;
 
@@ -16,7 +16,7 @@ use std::str::FromStr;
 pub const DEFAULT_BUDGET_FACTOR: f64 = 1.10;
 
 /// Bytes of the state that lives through the whole update.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct StateBytes {
     /// Parameters.
     pub params: usize,
@@ -43,7 +43,7 @@ impl StateBytes {
 }
 
 /// A memory budget on the total actor-update peak.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum MemoryBudget {
     /// A factor of gradient checkpointing's total peak.

@@ -13,7 +13,7 @@
 //! average), so drift (thermal, contention, another batch shape) is tracked without
 //! re-profiling.
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 
 /// The microbatch features costs depend on.
@@ -36,7 +36,7 @@ impl MicrobatchShape {
 }
 
 /// `t = a * tokens + b * sum_sq_lengths`, non-negative coefficients.
-#[derive(Debug, Clone, Default, Serialize)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
 pub struct RecomputeFit {
     /// Seconds per token.
     pub a: f64,
@@ -95,7 +95,7 @@ impl RecomputeFit {
 }
 
 /// Seconds per value for one codec.
-#[derive(Debug, Clone, Default, Serialize)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
 pub struct CodecRate {
     /// Encode seconds per value.
     pub encode: f64,
@@ -107,7 +107,7 @@ pub struct CodecRate {
 }
 
 /// Multiplicative corrections from training steps (1.0 until refreshed).
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Corrections {
     /// Measured / predicted recompute time.
     pub recompute: f64,
@@ -129,7 +129,7 @@ impl Default for Corrections {
 
 /// The cost model: recompute fits per unit, codec rates, the cost-expression prior and
 /// the running corrections.
-#[derive(Debug, Clone, Default, Serialize)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
 pub struct CostModel {
     /// Per unit name.
     pub recompute: BTreeMap<String, RecomputeFit>,

@@ -18,6 +18,55 @@ use std::path::Path;
 const MAGIC: &[u8; 12] = b"HILORE-CKPT\0";
 const VERSION: u32 = 1;
 
+/// Prefix of a JSON string that holds an `f64`'s bits (see [`floats_to_bits`]).
+const F64_BITS: &str = "f64:";
+
+/// `v` with every floating-point number replaced by a string of its bits
+/// (`"f64:3ff0000000000000"`), so that it survives the JSON text bit for bit (a decimal
+/// float is not guaranteed to parse back to the same bits). Integers stay numbers.
+pub fn floats_to_bits(v: serde_json::Value) -> serde_json::Value {
+    use serde_json::Value;
+    match v {
+        Value::Number(n) if n.is_f64() => {
+            let x = n.as_f64().expect("an f64 number");
+            Value::String(format!("{F64_BITS}{:016x}", x.to_bits()))
+        }
+        Value::Array(a) => Value::Array(a.into_iter().map(floats_to_bits).collect()),
+        Value::Object(o) => {
+            Value::Object(o.into_iter().map(|(k, v)| (k, floats_to_bits(v))).collect())
+        }
+        other => other,
+    }
+}
+
+/// The inverse of [`floats_to_bits`]. A string of bits that is not a finite number is an
+/// error (JSON has no NaN or infinity).
+pub fn floats_from_bits(v: serde_json::Value) -> anyhow::Result<serde_json::Value> {
+    use serde_json::Value;
+    Ok(match v {
+        Value::String(s) if s.starts_with(F64_BITS) && s.len() == F64_BITS.len() + 16 => {
+            let bits = u64::from_str_radix(&s[F64_BITS.len()..], 16)
+                .with_context(|| format!("`{s}` is not an f64's bits"))?;
+            let x = f64::from_bits(bits);
+            Value::Number(
+                serde_json::Number::from_f64(x)
+                    .with_context(|| format!("`{s}` is {x}, not a finite number"))?,
+            )
+        }
+        Value::Array(a) => Value::Array(
+            a.into_iter()
+                .map(floats_from_bits)
+                .collect::<anyhow::Result<_>>()?,
+        ),
+        Value::Object(o) => Value::Object(
+            o.into_iter()
+                .map(|(k, v)| Ok((k, floats_from_bits(v)?)))
+                .collect::<anyhow::Result<_>>()?,
+        ),
+        other => other,
+    })
+}
+
 /// One named `f32` tensor.
 #[derive(Debug, Clone, PartialEq)]
 pub struct NamedTensor {
@@ -181,6 +230,33 @@ impl Checkpoint {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Floats whose shortest decimal form needs 17 digits and a far exponent (where a
+    /// fast decimal parser may round to a neighbour) come back with the same bits through
+    /// the JSON text; integers stay integers.
+    #[test]
+    fn floats_survive_the_json_text_bit_for_bit() {
+        let xs: Vec<f64> = vec![
+            3.718_281_828_459_045e-9,
+            0.1 + 0.2,
+            f64::MIN_POSITIVE,
+            5e-324,
+            -1.797_693_134_862_315_7e308,
+            2.225_073_858_507_201e-308,
+            1.0 / 3.0 * 1e-7,
+        ];
+        let v = serde_json::json!({"xs": xs, "n": 7u64, "name": "f64:not-bits"});
+        let text = serde_json::to_string(&floats_to_bits(v)).unwrap();
+        let back = floats_from_bits(serde_json::from_str(&text).unwrap()).unwrap();
+        let got: Vec<f64> = serde_json::from_value(back["xs"].clone()).unwrap();
+        let bits = |v: &[f64]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&got), bits(&xs));
+        assert_eq!(back["n"], 7);
+        assert_eq!(back["name"], "f64:not-bits");
+        // Bits of a NaN are an error, not a panic.
+        let nan = serde_json::json!(format!("f64:{:016x}", f64::NAN.to_bits()));
+        assert!(floats_from_bits(nan).is_err());
+    }
 
     #[test]
     fn round_trip_is_bit_exact_and_atomic() {

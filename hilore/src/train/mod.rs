@@ -15,8 +15,12 @@
 //!
 //! Every random choice is a pure function of `--seed` and the step (counter-based streams),
 //! so a checkpoint's RNG state is the seed and the next step; with the weights, the
-//! reference weights and the optimizer moments it fixes the rest of the run, and
-//! `--resume` continues bit for bit.
+//! reference weights, the optimizer moments and (`--policy hilore`, the default) the
+//! allocator's calibrated state it fixes the rest of the run, and `--resume` continues
+//! bit for bit. The allocator's plans depend on measured times only through its one
+//! calibration (on the first step with exposure; that step is always checkpointed):
+//! `--refresh-costs` folds later measurements in as well, which adapts to drift but gives
+//! up bit-exact resume.
 
 mod checkpoint;
 mod eval;
@@ -36,15 +40,20 @@ use eval::{evaluate, EvalReport};
 use hilore_models::generate::SamplingConfig;
 use hilore_models::rng::SplitMix64;
 use hilore_models::{plans, zoo, Decoder, DecoderConfig};
+use hilore_runtime::allocator::{
+    AllocatorState, MemoryBudget, OnlineAllocator, StateBytes, DEFAULT_TARGET_REL_L2,
+};
 use hilore_runtime::grpo::{self, AdvantageNorm, Aggregation, GrpoConfig};
 use hilore_runtime::{Fidelity, Plan};
 use indicatif::{ProgressBar, ProgressStyle};
 use optimizer::{AdamW, AdamWConfig};
 use serde::{Deserialize, Serialize};
+use std::cell::RefCell;
 use std::collections::{HashMap, HashSet};
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
+use std::rc::Rc;
 use std::time::Instant;
 use update::{actor_update, UpdateSettings};
 
@@ -162,13 +171,20 @@ pub struct TrainArgs {
     weight_decay: f64,
 
     // ----- actor update
-    /// Fidelity of every unit in the actor update: `store`, `recompute` (per-layer
-    /// gradient checkpointing), `compress-<codec>`, or `hilore` (the allocator plans every
-    /// microbatch from measured costs and the step's exposures under 1.10 x full
-    /// recompute's peak; microbatches are padded to a multiple of 128 rows; calibration
-    /// runs on the first step).
-    #[arg(long, default_value = "store", help_heading = "Actor update")]
+    /// Fidelity of the units in the actor update: `hilore` (the default: the allocator
+    /// plans every microbatch from measured costs and the step's exposures under 1.10 x
+    /// full recompute's peak; microbatches are padded to a multiple of 128 rows;
+    /// calibration runs once, on the first step with exposure, and is checkpointed, so
+    /// --resume stays bit-identical), `store`, `recompute` (per-layer gradient
+    /// checkpointing) or `compress-<codec>`.
+    #[arg(long, default_value = "hilore", help_heading = "Actor update")]
     policy: String,
+    /// With --policy hilore: fold every microbatch's measured recompute and codec times
+    /// into the cost model (tracks drift, e.g. contention). Trades bit-exact --resume and
+    /// seed-for-seed reproducibility for adaptivity: later plans then depend on wall-clock
+    /// times. Off: plans depend only on the calibration and the step's data.
+    #[arg(long, help_heading = "Actor update")]
+    refresh_costs: bool,
     /// Most tokens (rows) per microbatch; one sequence must fit.
     #[arg(long, default_value_t = 1024, help_heading = "Actor update")]
     token_budget: usize,
@@ -254,9 +270,16 @@ struct RunSettings {
     top_p: f64,
     max_new_tokens: usize,
     policy: String,
+    /// `--refresh-costs` (absent when off, as in checkpoints written before it existed).
+    #[serde(default, skip_serializing_if = "is_false")]
+    refresh_costs: bool,
     token_budget: usize,
     skip_zero_exposure: bool,
     seed: u64,
+}
+
+fn is_false(b: &bool) -> bool {
+    !*b
 }
 
 /// The training state a checkpoint carries besides tensors.
@@ -273,6 +296,11 @@ struct TrainState {
     before: EvalReport,
     /// Wall time of all processes of this run so far.
     seconds_total: f64,
+    /// `--policy hilore`: the allocator's state ([`OnlineAllocator::state`], floats as
+    /// bits: see [`checkpoint::floats_to_bits`]). Absent in checkpoints of other policies
+    /// and of versions before it was stored.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    allocator: Option<serde_json::Value>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -326,6 +354,11 @@ struct StepMetrics {
     update_tokens_per_s: f64,
     reference_seconds: f64,
     step_seconds: f64,
+    /// Unit instances of the step's microbatches (all epochs) that were stored,
+    /// compressed and recomputed (inside a recomputed instance counts as recomputed).
+    instances_store: usize,
+    instances_compress: usize,
+    instances_recompute: usize,
 }
 
 /// The `--summary` object.
@@ -364,6 +397,17 @@ struct Summary {
     update_tokens_per_s: f64,
     peak_activation_bytes: usize,
     optimizer_state_bytes: usize,
+    /// Unit instances per GRPO step (this process's steps, mean) that were stored,
+    /// compressed and recomputed.
+    instances_per_step: InstanceMeans,
+}
+
+/// Mean unit instances per step by fidelity.
+#[derive(Debug, Default, Serialize)]
+struct InstanceMeans {
+    store: f64,
+    compress: f64,
+    recompute: f64,
 }
 
 /// Decay of the warm start's loss moving average (about the last 10 steps).
@@ -476,6 +520,12 @@ impl RunSettings {
                 bail!("{flag} is {v}; it must be a positive number");
             }
         }
+        if a.refresh_costs && a.policy != "hilore" {
+            bail!(
+                "--refresh-costs refreshes the allocator's cost model: it needs --policy hilore (the policy is `{}`)",
+                a.policy
+            );
+        }
         if a.checkpoint_every == 0 {
             bail!("--checkpoint-every is 0; it must be at least 1");
         }
@@ -509,6 +559,7 @@ impl RunSettings {
             top_p: a.top_p,
             max_new_tokens,
             policy: a.policy.clone(),
+            refresh_costs: a.refresh_costs,
             token_budget: a.token_budget,
             skip_zero_exposure: a.skip_zero_exposure,
             seed: a.seed,
@@ -655,6 +706,30 @@ struct Run {
     model: Decoder,
     reference: Decoder,
     opt: AdamW,
+    /// `--policy hilore`'s allocator (its state is checkpointed).
+    allocator: Option<Rc<RefCell<OnlineAllocator>>>,
+}
+
+/// The codecs `--policy hilore` offers.
+const HILORE_CODECS: [&str; 3] = ["bf16", "fp8-e4m3-b32", "int4-g32"];
+
+/// `--policy hilore`'s allocator for a model of `num_params` parameters (`None` for the
+/// other policies).
+fn new_allocator(
+    settings: &RunSettings,
+    num_params: usize,
+) -> Option<Rc<RefCell<OnlineAllocator>>> {
+    (settings.policy == "hilore").then(|| {
+        Rc::new(RefCell::new(
+            OnlineAllocator::new(
+                StateBytes::adamw_f32(num_params),
+                MemoryBudget::default(),
+                DEFAULT_TARGET_REL_L2,
+                &HILORE_CODECS,
+            )
+            .with_refresh(settings.refresh_costs),
+        ))
+    })
 }
 
 impl Run {
@@ -677,6 +752,12 @@ impl Run {
         let mut state = self.state.clone();
         state.adam_t = self.opt.t;
         state.rng.next_step = state.step;
+        state.allocator = match &self.allocator {
+            Some(a) => Some(checkpoint::floats_to_bits(serde_json::to_value(
+                a.borrow().state(),
+            )?)),
+            None => None,
+        };
         Checkpoint {
             run: serde_json::to_value(&self.settings)?,
             state: serde_json::to_value(&state)?,
@@ -707,12 +788,35 @@ impl Run {
             *m = ck.tensor(&format!("adam.m/{name}"))?.data.clone();
             *v = ck.tensor(&format!("adam.v/{name}"))?.data.clone();
         }
+        let allocator = new_allocator(&settings, model.num_params());
+        if let Some(a) = &allocator {
+            match &state.allocator {
+                Some(v) => {
+                    let stored: AllocatorState =
+                        serde_json::from_value(checkpoint::floats_from_bits(v.clone())?)
+                            .with_context(|| {
+                                format!(
+                                    "checkpoint {} has a corrupt allocator state",
+                                    path.display()
+                                )
+                            })?;
+                    a.borrow_mut().restore(&stored).with_context(|| {
+                        format!("resuming the allocator from {}", path.display())
+                    })?;
+                }
+                None => println!(
+                    "note: checkpoint {} holds no allocator state (written by an older hilore); the allocator calibrates again on the next step with exposure, so the resumed run may plan differently from an uninterrupted one",
+                    path.display()
+                ),
+            }
+        }
         Ok(Run {
             settings,
             state,
             model,
             reference,
             opt,
+            allocator,
         })
     }
 }
@@ -924,6 +1028,7 @@ pub fn run(args: TrainArgs) -> anyhow::Result<ExitCode> {
         );
         let reference = model_copy(&model, &settings.model)?;
         let opt = AdamW::new(settings.adamw, &model);
+        let allocator = new_allocator(&settings, model.num_params());
         let run = Run {
             state: TrainState {
                 step: 0,
@@ -936,11 +1041,13 @@ pub fn run(args: TrainArgs) -> anyhow::Result<ExitCode> {
                 warm_start,
                 before,
                 seconds_total: 0.0,
+                allocator: None,
             },
             settings: settings.clone(),
             model,
             reference,
             opt,
+            allocator,
         };
         if let Some(m) = &args.metrics {
             std::fs::write(m, "")
@@ -963,17 +1070,7 @@ pub fn run(args: TrainArgs) -> anyhow::Result<ExitCode> {
         token_budget: settings.token_budget,
         plan: plan.clone(),
         skip_zero_exposure: settings.skip_zero_exposure,
-        allocator: (settings.policy == "hilore").then(|| {
-            use hilore_runtime::allocator::{
-                MemoryBudget, OnlineAllocator, StateBytes, DEFAULT_TARGET_REL_L2,
-            };
-            std::rc::Rc::new(std::cell::RefCell::new(OnlineAllocator::new(
-                StateBytes::adamw_f32(run.model.num_params()),
-                MemoryBudget::default(),
-                DEFAULT_TARGET_REL_L2,
-                &["bf16", "fp8-e4m3-b32", "int4-g32"],
-            )))
-        }),
+        allocator: run.allocator.clone(),
     };
     let mut metrics_file = match &args.metrics {
         Some(p) => Some(
@@ -989,9 +1086,14 @@ pub fn run(args: TrainArgs) -> anyhow::Result<ExitCode> {
     let pb = bar(total_steps, progress, "grpo");
     pb.set_position(run.state.step.min(total_steps) as u64);
     let (mut rollout_tps, mut update_tps, mut peak) = (Vec::new(), Vec::new(), 0usize);
+    let mut instances = InstanceMeans::default();
     let mut last: Option<StepMetrics> = None;
     while run.state.step < total_steps {
         let step = run.state.step;
+        let calibrated_before = run
+            .allocator
+            .as_ref()
+            .is_some_and(|a| a.borrow().is_calibrated());
         let t_step = Instant::now();
         let examples = draw_examples(
             &task,
@@ -1055,12 +1157,18 @@ pub fn run(args: TrainArgs) -> anyhow::Result<ExitCode> {
             update_tokens_per_s: rep.update_tokens as f64 / rep.seconds.max(1e-9),
             reference_seconds: rep.reference_seconds,
             step_seconds: t_step.elapsed().as_secs_f64(),
+            instances_store: rep.fidelities.store,
+            instances_compress: rep.fidelities.compress,
+            instances_recompute: rep.fidelities.recompute,
         };
+        instances.store += m.instances_store as f64;
+        instances.compress += m.instances_compress as f64;
+        instances.recompute += m.instances_recompute as f64;
         rollout_tps.push(m.rollout_tokens_per_s);
         update_tps.push(m.update_tokens_per_s);
         peak = peak.max(m.peak_activation_bytes);
         let line = format!(
-            "step {:>4}/{total_steps}  reward {:.3}  acc {:.3}  len {:.2}  kl {:.4}  clip {:.3}  |g| {:.3}  rollout {:>6.0} tok/s  update {:>6.0} tok/s  peak act {}{}",
+            "step {:>4}/{total_steps}  reward {:.3}  acc {:.3}  len {:.2}  kl {:.4}  clip {:.3}  |g| {:.3}  rollout {:>6.0} tok/s  update {:>6.0} tok/s  peak act {}  units s/c/r {}/{}/{}{}",
             m.step,
             m.reward_mean,
             m.accuracy,
@@ -1071,6 +1179,9 @@ pub fn run(args: TrainArgs) -> anyhow::Result<ExitCode> {
             m.rollout_tokens_per_s,
             m.update_tokens_per_s,
             human_bytes(m.peak_activation_bytes),
+            m.instances_store,
+            m.instances_compress,
+            m.instances_recompute,
             if settings.skip_zero_exposure {
                 format!("  skipped {} seq / {} tok", m.skipped_sequences, m.skipped_tokens)
             } else {
@@ -1086,7 +1197,18 @@ pub fn run(args: TrainArgs) -> anyhow::Result<ExitCode> {
         }
         last = Some(m);
         let stop = args.stop_after == Some(run.state.step);
-        if run.state.step % args.checkpoint_every == 0 || run.state.step == total_steps || stop {
+        // The step that calibrated the allocator is always checkpointed: a run resumed
+        // from an earlier checkpoint would measure again (other times, other plans).
+        let calibrated_now = !calibrated_before
+            && run
+                .allocator
+                .as_ref()
+                .is_some_and(|a| a.borrow().is_calibrated());
+        if run.state.step % args.checkpoint_every == 0
+            || run.state.step == total_steps
+            || stop
+            || calibrated_now
+        {
             run.state.seconds_total = seconds_before + t_start.elapsed().as_secs_f64();
             run.save(&args.checkpoint)?;
         }
@@ -1177,6 +1299,14 @@ pub fn run(args: TrainArgs) -> anyhow::Result<ExitCode> {
         update_tokens_per_s: mean(&update_tps),
         peak_activation_bytes: peak,
         optimizer_state_bytes: run.opt.optimizer_state_bytes(),
+        instances_per_step: {
+            let n = update_tps.len().max(1) as f64;
+            InstanceMeans {
+                store: instances.store / n,
+                compress: instances.compress / n,
+                recompute: instances.recompute / n,
+            }
+        },
     };
     println!(
         "done: {} steps in {:.1}s; rollout {:.0} tok/s, update {:.0} tok/s, peak activations {}, optimizer state {}",

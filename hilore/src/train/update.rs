@@ -70,6 +70,44 @@ pub struct UpdateReport {
     pub seconds: f64,
     /// Wall time of the reference model's forwards (for KL), not in `seconds`.
     pub reference_seconds: f64,
+    /// Unit instances run under each fidelity, over every microbatch and epoch.
+    pub fidelities: FidelityCounts,
+}
+
+/// How many unit instances ran under each fidelity. An instance inside a recomputed one
+/// counts as recomputed (its saved state is dropped with its parent's); otherwise its own
+/// fidelity counts.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+pub struct FidelityCounts {
+    pub store: usize,
+    pub compress: usize,
+    pub recompute: usize,
+}
+
+impl FidelityCounts {
+    /// The counts of one forward's unit instances ([`Cx::unit_instances`]).
+    pub fn of(instances: &[hilore_runtime::UnitInstanceInfo]) -> Self {
+        let mut recomputed = vec![false; instances.len()];
+        let mut c = FidelityCounts::default();
+        for (i, u) in instances.iter().enumerate() {
+            // Parents open before their children, so `recomputed[p]` is already known.
+            recomputed[i] = u.fidelity == "recompute" || u.parent.is_some_and(|p| recomputed[p]);
+            if recomputed[i] {
+                c.recompute += 1;
+            } else if u.fidelity.starts_with("compress") {
+                c.compress += 1;
+            } else {
+                c.store += 1;
+            }
+        }
+        c
+    }
+
+    fn add(&mut self, o: FidelityCounts) {
+        self.store += o.store;
+        self.compress += o.compress;
+        self.recompute += o.recompute;
+    }
 }
 
 /// One microbatch: its sequences packed, and where each sequence's target rows are.
@@ -321,6 +359,7 @@ fn epoch_grads(
         };
         let mut cx = Cx::new(plan);
         let logp = m.token_logprobs(&mut cx, &micro.batch)?;
+        rep.fidelities.add(FidelityCounts::of(&cx.unit_instances()));
         let cur = micro.gather(&logp.tensor().to_vec1::<f32>()?);
         if epoch == 0 {
             let mut k = 0;
