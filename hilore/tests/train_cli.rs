@@ -384,11 +384,20 @@ fn resume_after_calibration_with_lossy_plans_is_bit_identical() {
     assert!(compressed > 0, "no lossy plan after the resume: {ma:?}");
     assert_eq!(ma, mb);
     assert_eq!(checkpoint_tensors(&a), checkpoint_tensors(&b));
-    // The resumed runs measured nothing again: their allocator states are the one that
-    // was checkpointed, bit for bit (a new calibration's times would differ).
+    // The resumed runs measured nothing again: their cost models (timings) are the one
+    // that was checkpointed, bit for bit (a new calibration's times would differ), and
+    // their whole allocator states agree (the gradient-norm scale moves with each step's
+    // gradient, deterministically).
     for d in [&a, &b] {
-        assert_eq!(checkpoint_header(d)["state"]["allocator"], *alloc);
+        assert_eq!(
+            checkpoint_header(d)["state"]["allocator"]["costs"],
+            alloc["costs"]
+        );
     }
+    assert_eq!(
+        checkpoint_header(&a)["state"]["allocator"],
+        checkpoint_header(&b)["state"]["allocator"]
+    );
     // A checkpoint without the allocator's state (as older versions wrote) resumes with a
     // note and a new calibration, not an error or a panic.
     let mut h = checkpoint_header(&base);

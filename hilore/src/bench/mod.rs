@@ -354,6 +354,19 @@ struct TimeSplit {
     solve: f64,
 }
 
+/// One validation round of the risk budget on the held-out step.
+#[derive(Serialize, Clone, Debug)]
+struct RiskValidation {
+    /// The risk budget scale it planned with.
+    additivity_ratio: f64,
+    /// The plan's predicted step risk (microbatch risks in quadrature).
+    predicted_risk: f64,
+    /// Measured gradient error norm of the step.
+    measured_error: f64,
+    /// The same relative to the exact step gradient.
+    measured_rel_l2: f64,
+}
+
 /// One policy's results, as `--json` writes them.
 #[derive(Serialize, Clone)]
 struct PolicyRow {
@@ -599,6 +612,10 @@ struct ConfigOut {
     /// Calibrated `||exact gradient|| / exposure` and measured/predicted error ratio.
     grad_norm_per_exposure: Option<f64>,
     risk_additivity_ratio: Option<f64>,
+    /// Measured / summed predicted error with every unit compressed (before validation).
+    risk_additivity_ratio_all_compressed: Option<f64>,
+    /// Validation rounds of the risk budget on a held-out step.
+    risk_validation: Vec<RiskValidation>,
     calibration_passes: usize,
     calibration_seconds: f64,
     /// 1, 5 and 15 minute load averages at the start and the end of the run.
@@ -762,7 +779,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
     let compress_passes = compressible * codecs.len();
     let cal_passes = cal_mbs.len() + compress_passes + recomputable * cal_mbs.len()
         - recomputable.min(compress_passes);
-    let cal_bar = bar((cal_passes + norm_step.len()) as u64, "calibrating");
+    let cal_bar = bar((cal_passes + 3 * norm_step.len()) as u64, "calibrating");
     let cal_inputs: Vec<_> = cal_mbs.iter().map(|m| m.input).collect();
     let cal_report = {
         let mut runner = CalRunner {
@@ -779,36 +796,86 @@ pub fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
             &mut |_| {},
         )?
     };
+    let gc_peak = allocator.simulate_peak(&baselines::gradient_checkpointing())?;
+    let gc_total = gc_peak + state.total();
+    let budget_bytes = budget.bytes(gc_total);
     // The gradient-norm scale of a whole held-out step (microbatch gradients partly
     // cancel: GRPO advantages are centred per group), instead of two microbatches'.
     let gamma_microbatches = allocator.risk.grad_norm_per_exposure;
+    let rho_all_compressed = allocator.risk.additivity_ratio;
+    let mut validation: Vec<RiskValidation> = Vec::new();
     {
         let mut runner = CalRunner {
             model: &model,
             mbs: &norm_step,
             bar: &cal_bar,
         };
-        let mut sum: Vec<f64> = Vec::new();
-        for m in 0..norm_step.len() {
-            let r = runner.run(m, &Plan::store_all())?;
-            if sum.is_empty() {
-                sum = vec![0.0; r.grads.len()];
+        let mut run_step = |plans: &[Plan]| -> anyhow::Result<Vec<f64>> {
+            let mut sum: Vec<f64> = Vec::new();
+            for (m, plan) in plans.iter().enumerate() {
+                let r = runner.run(m, plan)?;
+                if sum.is_empty() {
+                    sum = vec![0.0; r.grads.len()];
+                }
+                for (s, g) in sum.iter_mut().zip(&r.grads) {
+                    *s += f64::from(*g);
+                }
             }
-            for (s, g) in sum.iter_mut().zip(&r.grads) {
-                *s += f64::from(*g);
-            }
-        }
-        let norm = sum.iter().map(|g| g * g).sum::<f64>().sqrt();
+            Ok(sum)
+        };
+        let exact = run_step(&vec![Plan::store_all(); norm_step.len()])?;
+        let norm = exact.iter().map(|g| g * g).sum::<f64>().sqrt();
         let exposures: Vec<f64> = norm_step.iter().map(|m| m.input.exposure).collect();
         allocator.risk.calibrate_step_norm(norm, &exposures);
+        // Validation on the held-out step: plan it at the main budget and target, measure
+        // the step's gradient error, and scale the risk budget so that the measured error
+        // meets the target (the per-unit model is a bound whose slack depends on the plan
+        // mix). Two rounds, each correction clamped to [1/4, 4].
+        let inputs: Vec<MicrobatchInput> = norm_step.iter().map(|m| m.input).collect();
+        let offer = Offer {
+            codecs: codecs.clone(),
+            recompute: true,
+            open_groups: true,
+        };
+        for _ in 0..2 {
+            let Some(rb) = allocator.risk.step_budget(args.target_rel_l2, &exposures) else {
+                break;
+            };
+            let ds = allocator.plan_step(&inputs, budget_bytes, rb, &offer, None)?;
+            let predicted = ds
+                .iter()
+                .map(|d| d.predicted_risk * d.predicted_risk)
+                .sum::<f64>()
+                .sqrt();
+            if predicted <= 0.0 {
+                break;
+            }
+            let plans: Vec<Plan> = ds.iter().map(|d| d.plan.clone()).collect();
+            let got = run_step(&plans)?;
+            let err = got
+                .iter()
+                .zip(&exact)
+                .map(|(a, b)| (a - b) * (a - b))
+                .sum::<f64>()
+                .sqrt();
+            let rho = allocator.risk.additivity_ratio.unwrap_or(1.0);
+            let correction = (err / (args.target_rel_l2 * norm)).clamp(0.25, 4.0);
+            validation.push(RiskValidation {
+                additivity_ratio: rho,
+                predicted_risk: predicted,
+                measured_error: err,
+                measured_rel_l2: err / norm,
+            });
+            allocator.risk.additivity_ratio = Some(rho * correction);
+        }
     }
     cal_bar.finish_and_clear();
     let cal_seconds = t_cal.elapsed().as_secs_f64();
     eprintln!(
-        "calibrated in {:.1} s ({} passes); risk budget scale: measured / summed predicted error with every unit compressed = {:.3}",
+        "calibrated in {:.1} s ({} passes); measured / summed predicted error with every unit compressed = {:.3}",
         cal_seconds,
-        cal_report.passes,
-        allocator.risk.additivity_ratio.unwrap_or(f64::NAN)
+        cal_report.passes + norm_step.len() * (1 + validation.len()),
+        rho_all_compressed.unwrap_or(f64::NAN)
     );
     eprintln!(
         "gradient norm per unit of exposure (gamma): {:.4e} from a whole held-out step of {} microbatches ({:.4e} from the two calibration microbatches)",
@@ -816,10 +883,22 @@ pub fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
         norm_step.len(),
         gamma_microbatches.unwrap_or(f64::NAN)
     );
+    for (k, v) in validation.iter().enumerate() {
+        eprintln!(
+            "risk validation {} on the held-out step: scale {:.3}, predicted risk {:.3e}, measured error {:.3e} (rel L2 {:.3e} for a target of {:.0e})",
+            k + 1,
+            v.additivity_ratio,
+            v.predicted_risk,
+            v.measured_error,
+            v.measured_rel_l2,
+            args.target_rel_l2
+        );
+    }
+    eprintln!(
+        "risk budget scale used: {:.3}",
+        allocator.risk.additivity_ratio.unwrap_or(f64::NAN)
+    );
 
-    let gc_peak = allocator.simulate_peak(&baselines::gradient_checkpointing())?;
-    let gc_total = gc_peak + state.total();
-    let budget_bytes = budget.bytes(gc_total);
     let ctx = Ctx {
         alloc: &allocator,
         mbs: &mbs,
@@ -1044,6 +1123,8 @@ pub fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
             risk_budget: allocator.risk.step_budget(args.target_rel_l2, &exposures),
             grad_norm_per_exposure: allocator.risk.grad_norm_per_exposure,
             risk_additivity_ratio: allocator.risk.additivity_ratio,
+            risk_additivity_ratio_all_compressed: rho_all_compressed,
+            risk_validation: validation.clone(),
             calibration_passes: cal_report.passes,
             calibration_seconds: cal_seconds,
             load_average_start: load_start,

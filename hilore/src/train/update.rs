@@ -421,6 +421,18 @@ fn epoch_grads(
         rep.peak_activation_bytes = rep.peak_activation_bytes.max(cx.memory().peak_bytes());
         rep.update_tokens += micro.batch.num_tokens();
     }
+    if let (Some(alloc), Some((micros, _))) = (&s.allocator, &planned) {
+        // The step's gradient norm refines the allocator's gradient-norm scale.
+        let mut sq = 0f64;
+        for (_, g) in grads.iter() {
+            let g = g.to_dtype(candle_core::DType::F64)?;
+            sq += g.sqr()?.sum_all()?.to_scalar::<f64>()?;
+        }
+        let exposures: Vec<f64> = micros.iter().map(|(_, _, i)| i.exposure).collect();
+        alloc
+            .borrow_mut()
+            .observe_step_gradient(sq.sqrt(), &exposures);
+    }
     Ok(grads)
 }
 
