@@ -347,10 +347,11 @@ fn frontier_is_the_lower_hull_of_every_selection() {
     assert!(vertices > 400, "only {vertices} vertices over 200 problems");
 }
 
-/// A problem whose risks are `base`'s times `exposure`.
+/// A problem whose risks are `base`'s times `exposure^2`: the allocator's choices carry
+/// squared risks (risks add in quadrature), and a risk is linear in exposure.
 fn with_exposure(base: &Problem, exposure: f64) -> Problem {
     let mut p = base.clone();
-    let scale = |c: &mut Choice| c.risk *= exposure;
+    let scale = |c: &mut Choice| c.risk *= exposure * exposure;
     for g in &mut p.groups {
         g.whole.iter_mut().for_each(scale);
         if let Some(o) = &mut g.opened {
@@ -362,7 +363,7 @@ fn with_exposure(base: &Problem, exposure: f64) -> Problem {
 }
 
 #[test]
-fn step_budget_holds_in_quadrature_and_exposure_decides_who_compresses() {
+fn step_budget_holds_and_exposure_decides_who_compresses() {
     let mut rng = Rng(33);
     let solver = Solver {
         buckets: 64,
@@ -373,8 +374,8 @@ fn step_budget_holds_in_quadrature_and_exposure_decides_who_compresses() {
     for _ in 0..150 {
         let mut base = random_problem(&mut rng, true);
         roomy(&mut base);
-        // Four microbatches of one size with exposures 0 < e1 < e2 < e3 (risk is linear
-        // in exposure) and equal times: one shared frontier.
+        // Four microbatches of one size with exposures 0 < e1 < e2 < e3 and equal times:
+        // one shared frontier.
         let exposures = [
             0.0,
             0.5 + rng.unit(),
@@ -382,11 +383,10 @@ fn step_budget_holds_in_quadrature_and_exposure_decides_who_compresses() {
             4.0 + 4.0 * rng.unit(),
         ];
         let problems: Vec<Problem> = exposures.iter().map(|&e| with_exposure(&base, e)).collect();
-        let fastest: Vec<f64> = problems
+        let full: f64 = problems
             .iter()
             .map(|p| solver.solve_at(p, 0.0).unwrap().risk)
-            .collect();
-        let full = fastest.iter().map(|r| r * r).sum::<f64>().sqrt();
+            .sum();
         let budget = full * rng.unit();
         let step = match solver.solve_step(&problems, budget) {
             Ok(s) => s,
@@ -396,13 +396,9 @@ fn step_budget_holds_in_quadrature_and_exposure_decides_who_compresses() {
             }
             Err(e) => panic!("{e}"),
         };
-        let sq: f64 = step.selections.iter().map(|s| s.risk * s.risk).sum();
-        // Sums of four squares of the same f64 values: 1e-12 relative slack.
-        assert!(
-            sq.sqrt() <= budget * (1.0 + 1e-12) + 1e-300,
-            "{} > {budget}",
-            sq.sqrt()
-        );
+        let sum: f64 = step.selections.iter().map(|s| s.risk).sum();
+        // Sums of four risks: 1e-12 relative slack.
+        assert!(sum <= budget * (1.0 + 1e-12) + 1e-300, "{sum} > {budget}");
         for (p, s) in problems.iter().zip(&step.selections) {
             assert!(s.bytes <= p.capacity);
         }
@@ -412,27 +408,26 @@ fn step_budget_holds_in_quadrature_and_exposure_decides_who_compresses() {
         if step.lambda > 0.0 {
             binding += 1;
             // No budget left to buy time: no single microbatch can move to a faster
-            // frontier vertex within the remaining slack of the squares (sums of <= 16
-            // products: 1e-12 slack).
-            let slack = budget * budget - sq;
+            // frontier vertex within the remaining slack (sums of <= 16 terms: 1e-12).
+            let slack = budget - sum;
             for (p, s) in problems.iter().zip(&step.selections) {
                 let (front, _) = solver.frontier(p).unwrap();
                 for v in front {
                     let (t, r, _) = p.totals(&v.picks);
                     assert!(
-                        t >= s.seconds - 1e-12 || r * r - s.risk * s.risk > slack - 1e-12,
+                        t >= s.seconds - 1e-12 || r - s.risk > slack - 1e-12,
                         "a faster vertex ({t}, {r}) fits the slack {slack}"
                     );
                 }
             }
-            // Risk per unit of exposure falls as exposure grows (the microbatches share
+            // Risk per unit of exposure^2 falls as exposure grows (the microbatches share
             // one frontier, so a larger exposure moves along it towards less risk).
             let k: Vec<f64> = (1..4)
-                .map(|m| step.selections[m].risk / exposures[m])
+                .map(|m| step.selections[m].risk / (exposures[m] * exposures[m]))
                 .collect();
             assert!(
                 k[0] >= k[1] - 1e-12 && k[1] >= k[2] - 1e-12,
-                "risk per exposure {k:?} for exposures {exposures:?}"
+                "risk per exposure^2 {k:?} for exposures {exposures:?}"
             );
             if k[0] > k[2] + 1e-12 {
                 ordered += 1;
@@ -447,14 +442,14 @@ fn step_budget_holds_in_quadrature_and_exposure_decides_who_compresses() {
 }
 
 #[test]
-fn step_against_brute_force_of_the_squares() {
+fn step_against_brute_force() {
     // Two microbatches of different shapes. The solver picks frontier vertices (what the
     // DP's Lagrangian can reach), so it is checked (a) never faster than the exact
-    // optimum of the squares over every pair of selections (brute force: that would be
-    // infeasible or wrong arithmetic) and (b) at least as fast as equal shares solved
-    // per microbatch by the risk-constrained solver (each R_m <= B / sqrt(2), which meets
-    // R_1^2 + R_2^2 <= B^2): the per-microbatch planning it replaces. Times: sums of at
-    // most 32 choice times, 1e-9 slack.
+    // optimum over every pair of selections within the budget (brute force: that would
+    // be infeasible or wrong arithmetic) and (b) at least as fast as equal shares solved
+    // per microbatch by the risk-constrained solver (each R_m <= B / 2): the
+    // per-microbatch planning it replaces. Times: sums of at most 32 choice times, 1e-9
+    // slack.
     let mut rng = Rng(44);
     let solver = Solver {
         buckets: 64,
@@ -469,7 +464,7 @@ fn step_against_brute_force_of_the_squares() {
         roomy(&mut b);
         let ra = solver.solve_at(&a, 0.0).unwrap().risk;
         let rb = solver.solve_at(&b, 0.0).unwrap().risk;
-        let budget = (ra * ra + rb * rb).sqrt() * rng.unit();
+        let budget = (ra + rb) * rng.unit();
         let Ok(step) = solver.solve_step(&[a.clone(), b.clone()], budget) else {
             continue;
         };
@@ -479,16 +474,15 @@ fn step_against_brute_force_of_the_squares() {
         let mut opt = f64::INFINITY;
         for &(ta, r_a) in &all_a {
             for &(tb, r_b) in &all_b {
-                if r_a * r_a + r_b * r_b <= budget * budget {
+                if r_a + r_b <= budget {
                     opt = opt.min(ta + tb);
                 }
             }
         }
         assert!(got >= opt - 1e-9, "faster than the optimum: {got} < {opt}");
-        let share = budget / 2f64.sqrt();
         let per = |p: &Problem| {
             let mut q = p.clone();
-            q.risk_budget = share;
+            q.risk_budget = budget / 2.0;
             solver.solve(&q).ok().map(|s| s.seconds)
         };
         if let (Some(x), Some(y)) = (per(&a), per(&b)) {

@@ -201,7 +201,7 @@ pub fn calibrate(
         }
     }
     // Additivity: every compressible unit compressed at once with each codec; the
-    // measured error against the summed per-unit predictions. The largest ratio (the
+    // measured error against the per-unit predictions added in quadrature. The largest ratio (the
     // least favourable) calibrates the risk budget.
     let mut rho: Option<f64> = None;
     for &codec in codecs {
@@ -213,16 +213,19 @@ pub fn calibrate(
                 plan = plan.with_unit(unit, f);
                 for &i in idx {
                     let b = &inst_copy[i];
+                    // Squares: independent errors add in quadrature (see `risk`).
                     predicted += alloc
                         .risk
                         .risk(b.unit, b.call, codec, kmb.exposure)
-                        .unwrap_or(0.0);
+                        .unwrap_or(0.0)
+                        .powi(2);
                 }
             }
         }
         if predicted <= 0.0 {
             continue;
         }
+        let predicted = predicted.sqrt();
         let r = runner.run(kappa_mb, &plan)?;
         report.passes += 1;
         progress("additivity");

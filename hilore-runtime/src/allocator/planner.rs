@@ -71,7 +71,7 @@ pub struct Decision {
     pub predicted_recompute_seconds: f64,
     /// Of which encode + decode.
     pub predicted_codec_seconds: f64,
-    /// Predicted risk (sum over compressed instances).
+    /// Predicted risk: the compressed instances' risks added in quadrature.
     pub predicted_risk: f64,
     /// The Lagrange multiplier of the risk.
     pub lambda: f64,
@@ -342,8 +342,12 @@ impl Allocator {
     ) -> Option<Choice> {
         let b = &self.instances[i];
         let seconds = self.seconds(i, f, mb.shape)?;
+        // The knapsack adds squared risks: independent errors add in quadrature.
         let risk = match f {
-            Fidelity::Compress(c) => self.risk.risk(b.unit, b.call, c, exposure_for_risk)?,
+            Fidelity::Compress(c) => self
+                .risk
+                .risk(b.unit, b.call, c, exposure_for_risk)?
+                .powi(2),
             _ => 0.0,
         };
         let bytes = *self.marginal.get(&(i, f))?;
@@ -514,7 +518,11 @@ impl Allocator {
                 c.fidelities.push((b.unit.to_string(), b.call, f));
                 c.seconds += self.seconds(i, f, mb.shape).unwrap_or(0.0);
                 if let Fidelity::Compress(k) = f {
-                    c.risk += self.risk.risk(b.unit, b.call, k, exposure).unwrap_or(0.0);
+                    c.risk += self
+                        .risk
+                        .risk(b.unit, b.call, k, exposure)
+                        .unwrap_or(0.0)
+                        .powi(2);
                 }
             }
             let b = &self.instances[l.top];
@@ -702,19 +710,22 @@ impl Allocator {
             p.capacity = cap;
             problems.push(p);
         }
-        // 2. Risks of different microbatches add in quadrature (their errors are
-        // independent): the step keeps `sum_m R_m^2 <= B^2`. Every microbatch's
-        // time-risk frontier comes from the linear Lagrangian (one frontier per byte
-        // shape, its picks evaluated on each member's own times and risks); one
-        // multiplier on the squares then picks a frontier point per microbatch.
+        // 2. Risks add in quadrature (errors of different units and microbatches are
+        // independent): the choices carry squared risks, and the step keeps their sum
+        // within `B^2`. Every microbatch's time-risk frontier comes from the Lagrangian
+        // (one frontier per byte shape, its picks evaluated on each member's own times
+        // and risks); one multiplier for the step then picks a frontier point per
+        // microbatch.
         let b2 = if risk_budget.is_finite() {
             risk_budget.max(0.0).powi(2)
         } else {
             f64::INFINITY
         };
-        let step = self.solver.solve_step(&problems, risk_budget).map_err(|e| match e {
+        let step = self.solver.solve_step(&problems, b2).map_err(|e| match e {
             Infeasible::Risk { min_risk, budget } => Error::Tape(format!(
-                "risk budget {budget:.4e} is infeasible under this memory budget: the least risk any plan that fits reaches is {min_risk:.4e} (microbatch risks added in quadrature)"
+                "risk budget {:.4e} is infeasible under this memory budget: the least risk any plan that fits reaches is {:.4e} (risks added in quadrature)",
+                budget.sqrt(),
+                min_risk.sqrt()
             )),
             e => Error::Tape(e.to_string()),
         })?;
@@ -764,9 +775,9 @@ impl Allocator {
                     .iter()
                     .enumerate()
                     .filter(|(j, _)| *j != k)
-                    .map(|(_, r)| r * r)
+                    .map(|(_, r)| r)
                     .sum();
-                q.risk_budget = (b2 - others).max(0.0).sqrt();
+                q.risk_budget = (b2 - others).max(0.0);
                 s = self.solver.solve(&q).map_err(|e| {
                     Error::Tape(format!(
                         "no plan fits the memory budget of {total_budget} bytes within the risk budget: {e}"
@@ -791,7 +802,7 @@ impl Allocator {
                 predicted_seconds: s.seconds,
                 predicted_recompute_seconds: rc,
                 predicted_codec_seconds: codec,
-                predicted_risk: s.risk,
+                predicted_risk: s.risk.sqrt(),
                 lambda: s.lambda,
                 solve_seconds: 0.0,
                 exact_checks: checks,
@@ -821,6 +832,8 @@ impl Allocator {
         let avail = self
             .activation_budget(total_budget)
             .ok_or_else(|| self.infeasible_memory(total_budget, offer))?;
+        // Risks in the knapsack are squared (they add in quadrature).
+        let risk_budget = risk_budget * risk_budget;
         let p = self.problem(mb, assumed_exposure, offer, i64::MAX, risk_budget)?;
         // Current pick per group: opened with every part at Store (index of Store).
         let store_idx = |part: &Vec<Choice>| {
@@ -857,7 +870,7 @@ impl Allocator {
                     predicted_seconds: secs,
                     predicted_recompute_seconds: rc,
                     predicted_codec_seconds: codec,
-                    predicted_risk: risk,
+                    predicted_risk: risk.sqrt(),
                     lambda: 0.0,
                     solve_seconds: t0.elapsed().as_secs_f64(),
                     exact_checks: checks,

@@ -12,27 +12,28 @@
 //! every row of the microbatch, so `exposure(u, m)` is the microbatch's exposure). `kappa`
 //! is calibrated by measurement: the L2 norm of the parameter-gradient error when only
 //! that unit is compressed, divided by the calibration microbatch's exposure (and by the
-//! unit's number of calls when they were compressed together). Within a microbatch risks
-//! add: by the triangle inequality the sum bounds the norm of the combined error when the
-//! model holds per unit; `hilore bench` reports predicted against measured totals on
-//! held-out microbatches (errors from different units are largely independent, so the
-//! measured total is usually well below the sum).
+//! unit's number of calls when they were compressed together).
 //!
-//! Across the microbatches of an optimizer step, errors come from different data and are
-//! independent, and so are the microbatches' own gradients (GRPO advantages are centred
-//! per group): both add in quadrature. With `R_m` the summed risk of microbatch `m` and
-//! `E_m` its exposure, the step's gradient error is about `sqrt(sum R_m^2)` and its exact
-//! gradient norm about `gamma * sqrt(sum E_m^2)`. The risk budget of a step is therefore
-//! a bound on `sqrt(sum R_m^2)`:
+//! Risks add in quadrature. Compressing two units perturbs their activations with
+//! independent rounding noise, and two microbatches are different data, so their
+//! gradient errors are independent: the error of a step is about
+//! `sqrt(sum over compressed instances and microbatches of r^2)`. (A plain sum is a
+//! triangle-inequality bound; with many units compressed it overstates the error about
+//! threefold, with few of them hardly at all, so its slack depended on the plan mix: a
+//! tight budget that forces a few lossy units into the microbatches that carry the
+//! update then overshot the target.) The allocator's knapsack therefore carries squared
+//! risks, which are additive. The microbatches' own gradients are independent too (GRPO
+//! advantages are centred per group), so the exact gradient's norm is about
+//! `gamma * sqrt(sum E_m^2)` and the risk budget of a step is a bound on the root of the
+//! summed squares:
 //!
 //! `B = target_rel_l2 * gamma * sqrt(sum E_m^2) / rho`,
 //!
 //! with `gamma` calibrated as `||sum of the calibration microbatches' exact gradients|| /
-//! sqrt(sum of their E_m^2)` (the same model applied to the calibration data) and `rho`
-//! the calibrated ratio of measured to summed predicted error when every unit is
-//! compressed at once. A linear sum over microbatches would overstate the gradient norm
-//! by up to `sqrt(M)` for `M` microbatches and let one microbatch's error exceed the
-//! target by that factor when the lossy plans land on few microbatches.
+//! sqrt(sum of their E_m^2)` (or from a whole step's gradient, which is better:
+//! [`RiskModel::calibrate_step_norm`]) and `rho` the calibrated ratio of measured to
+//! predicted error when every unit is compressed at once (a held-out validation can
+//! rescale it; `hilore bench` does).
 //!
 //! Microbatches with little exposure (most sequences with advantage 0) then carry little
 //! risk and can take cheap lossy fidelities; that is what exposure buys.
@@ -51,10 +52,9 @@ pub struct RiskModel {
     /// `||exact gradient|| / sqrt(sum of squared microbatch exposures)` of the
     /// calibration data.
     pub grad_norm_per_exposure: Option<f64>,
-    /// Measured / predicted error when many units are compressed at once (calibrated;
-    /// 1 until then). Summed risks bound the combined error by the triangle inequality;
-    /// errors of different units are largely independent, so the combined error is
-    /// smaller, and the risk budget is scaled by this ratio to hit the target fidelity.
+    /// Measured / predicted error (risks in quadrature) when many units are compressed
+    /// at once (calibrated; 1 until then); the risk budget is scaled by it to hit the
+    /// target fidelity.
     pub additivity_ratio: Option<f64>,
 }
 
@@ -103,7 +103,7 @@ impl RiskModel {
     }
 
     /// The absolute risk budget of a step whose microbatches have the given exposures, a
-    /// bound on `sqrt(sum_m R_m^2)` (see the module docs):
+    /// bound on the root of the summed squared risks (see the module docs):
     /// `target * gamma * sqrt(sum E_m^2) / additivity_ratio`.
     pub fn step_budget(&self, target_rel_l2: f64, exposures: &[f64]) -> Option<f64> {
         let rho = self

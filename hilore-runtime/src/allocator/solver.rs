@@ -114,7 +114,7 @@ pub struct Selection {
 pub struct StepSelection {
     /// One per problem, in order.
     pub selections: Vec<Selection>,
-    /// The multiplier on the summed squared risks (0 when the budget did not bind).
+    /// The multiplier on the summed risks (0 when the budget did not bind).
     pub lambda: f64,
     /// DP solves it took.
     pub solves: usize,
@@ -531,10 +531,10 @@ impl Solver {
         Ok((out, solves))
     }
 
-    /// Plans the microbatches of one step under one risk budget on their summed squares:
-    /// `sum_m R_m^2 <= risk_budget^2` (microbatch errors are independent and add in
-    /// quadrature; see [`super::risk`]), each within its own capacity, minimising the
-    /// summed time.
+    /// Plans the microbatches of one step under one risk budget on their summed risks,
+    /// `sum_m R_m <= risk_budget`, each within its own capacity, minimising the summed
+    /// time. (The allocator's choices carry squared risks, which add across units and
+    /// microbatches; see [`super::risk`].)
     ///
     /// Each microbatch's choices are the vertices of its time-risk frontier (problems
     /// with the same byte figures share one frontier, computed on the member with the
@@ -548,8 +548,8 @@ impl Solver {
         problems: &[Problem],
         risk_budget: f64,
     ) -> std::result::Result<StepSelection, Infeasible> {
-        let b2 = if risk_budget.is_finite() {
-            risk_budget.max(0.0).powi(2)
+        let budget = if risk_budget.is_finite() {
+            risk_budget.max(0.0)
         } else {
             f64::INFINITY
         };
@@ -561,8 +561,8 @@ impl Solver {
                 self.solve_at(p, 0.0)
             })
             .collect::<std::result::Result<_, _>>()?;
-        let sum_sq = |r: &mut dyn Iterator<Item = f64>| r.map(|x| x * x).sum::<f64>();
-        if sum_sq(&mut fastest.iter().map(|s| s.risk)) <= b2 {
+        let sum_of = |r: &mut dyn Iterator<Item = f64>| r.sum::<f64>();
+        if sum_of(&mut fastest.iter().map(|s| s.risk)) <= budget {
             return Ok(StepSelection {
                 selections: fastest,
                 lambda: 0.0,
@@ -614,8 +614,8 @@ impl Solver {
                     let mut best = 0;
                     for (j, &(t, r)) in c.iter().enumerate() {
                         let (bt, br) = c[best];
-                        let v = t + lambda * r * r;
-                        let bv = bt + lambda * br * br;
+                        let v = t + lambda * r;
+                        let bv = bt + lambda * br;
                         if v < bv || (v == bv && r < br) {
                             best = j;
                         }
@@ -624,8 +624,7 @@ impl Solver {
                 })
                 .collect()
         };
-        let sq_of =
-            |ch: &[usize]| -> f64 { ch.iter().zip(&cands).map(|(&j, c)| c[j].1 * c[j].1).sum() };
+        let sum_at = |ch: &[usize]| -> f64 { ch.iter().zip(&cands).map(|(&j, c)| c[j].1).sum() };
         // The least reachable: every microbatch at its least-risk candidate.
         let least: Vec<usize> = cands
             .iter()
@@ -635,19 +634,19 @@ impl Solver {
                     .unwrap_or(0)
             })
             .collect();
-        if sq_of(&least) > b2 {
+        if sum_at(&least) > budget {
             return Err(Infeasible::Risk {
-                min_risk: sq_of(&least).sqrt(),
+                min_risk: sum_at(&least),
                 budget: risk_budget,
             });
         }
         let t0: f64 = fastest.iter().map(|s| s.seconds).sum();
-        let r0: f64 = sum_sq(&mut fastest.iter().map(|s| s.risk));
+        let r0: f64 = sum_of(&mut fastest.iter().map(|s| s.risk));
         let mut hi = t0.abs().max(1e-12) / r0.max(1e-300);
         let mut best = None;
         for _ in 0..400 {
             let c = choose(hi);
-            if sq_of(&c) <= b2 {
+            if sum_at(&c) <= budget {
                 best = Some(c);
                 break;
             }
@@ -663,7 +662,7 @@ impl Solver {
                 (lo * hi).sqrt()
             };
             let c = choose(mid);
-            if sq_of(&c) <= b2 {
+            if sum_at(&c) <= budget {
                 hi = mid;
                 best = c;
             } else {
@@ -675,18 +674,17 @@ impl Solver {
         }
         // The multiplier's choice can leave budget unused (the frontier is discrete):
         // spend the slack greedily on the largest time gains. Equal shares
-        // (`R_m <= B / sqrt(M)`, the fastest vertex within) are a second feasible start;
+        // (`R_m <= B / M`, the fastest vertex within) are a second feasible start;
         // the faster of the two is kept.
         let fill = |mut ch: Vec<usize>| -> Vec<usize> {
             loop {
-                let slack = b2 - sq_of(&ch);
+                let slack = budget - sum_at(&ch);
                 let mut mv: Option<(usize, usize, f64)> = None;
                 for (k, c) in cands.iter().enumerate() {
                     let (t, r) = c[ch[k]];
                     for (j, &(tj, rj)) in c.iter().enumerate() {
                         let gain = t - tj;
-                        if gain > 1e-15 && rj * rj - r * r <= slack && mv.is_none_or(|m| gain > m.2)
-                        {
+                        if gain > 1e-15 && rj - r <= slack && mv.is_none_or(|m| gain > m.2) {
                             mv = Some((k, j, gain));
                         }
                     }
@@ -699,7 +697,7 @@ impl Solver {
         };
         let secs_of = |ch: &[usize]| -> f64 { ch.iter().zip(&cands).map(|(&j, c)| c[j].0).sum() };
         let best = fill(best);
-        let share = (b2 / problems.len() as f64).sqrt();
+        let share = budget / problems.len() as f64;
         let equal: Option<Vec<usize>> = cands
             .iter()
             .map(|c| {
@@ -709,7 +707,7 @@ impl Solver {
             })
             .collect();
         let best = match equal.map(fill) {
-            Some(e) if sq_of(&e) <= b2 && secs_of(&e) < secs_of(&best) => e,
+            Some(e) if sum_at(&e) <= budget && secs_of(&e) < secs_of(&best) => e,
             _ => best,
         };
         let selections = best
@@ -726,8 +724,7 @@ impl Solver {
                     seconds,
                     risk,
                     bytes,
-                    // The linear multiplier this vertex answers to: d(lambda R^2)/dR.
-                    lambda: 2.0 * hi * risk,
+                    lambda: hi,
                 }
             })
             .collect();
