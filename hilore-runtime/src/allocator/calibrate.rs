@@ -48,7 +48,7 @@ pub struct CalibrationReport {
     pub compress_errors: Vec<(String, String, f64, f64, usize)>,
     /// (unit, microbatch, seconds per instance).
     pub recompute_seconds: Vec<(String, usize, f64)>,
-    /// (codec, summed predicted risk, measured error) with every unit compressed.
+    /// (codec, predicted risk (in quadrature), measured error) with every unit compressed.
     pub additivity: Vec<(String, f64, f64)>,
     /// Passes run.
     pub passes: usize,

@@ -612,7 +612,7 @@ struct ConfigOut {
     /// Calibrated `||exact gradient|| / exposure` and measured/predicted error ratio.
     grad_norm_per_exposure: Option<f64>,
     risk_additivity_ratio: Option<f64>,
-    /// Measured / summed predicted error with every unit compressed (before validation).
+    /// Measured / predicted error (risks in quadrature) with every unit compressed (before validation).
     risk_additivity_ratio_all_compressed: Option<f64>,
     /// Validation rounds of the risk budget on a held-out step.
     risk_validation: Vec<RiskValidation>,
