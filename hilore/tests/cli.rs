@@ -1,18 +1,8 @@
 //! End-to-end tests of the `hilore` binary.
 
-use std::process::Command;
+mod support;
 
-fn hilore(args: &[&str]) -> (i32, String, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_hilore"))
-        .args(args)
-        .output()
-        .expect("the hilore binary runs");
-    (
-        out.status.code().unwrap_or(-1),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
-}
+use support::hilore;
 
 #[test]
 fn units_json_lists_every_model_unit() {

@@ -2,62 +2,28 @@
 //! Llama-style weights, a WordLevel tokenizer.json), export of the trained weights, resume,
 //! and errors for a directory that cannot be trained.
 
+mod support;
+
 use candle_core::Device;
-use hilore_models::{zoo, Decoder, DecoderConfig};
+use hilore_models::{zoo, DecoderConfig};
 use serde_json::{json, Value};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::process::Command;
-
-fn hilore(args: &[&str]) -> (i32, String, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_hilore"))
-        .args(args)
-        .output()
-        .expect("the hilore binary runs");
-    (
-        out.status.code().unwrap_or(-1),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
-}
+use support::{run_ok, run_refused};
 
 fn tmpdir(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("hilore-train-zoo-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
+    support::tmpdir("train-zoo", name)
 }
 
 /// A WordLevel tokenizer.json: whitespace pre-tokenizer, `<s>` prepended to a single
 /// sequence by the post-processor, `</s>` the end token. A small vocabulary, so a random
 /// policy answers right often enough for GRPO groups with mixed rewards.
 fn tokenizer_json() -> String {
-    let special = |id: u32, content: &str| {
-        json!({"id": id, "content": content, "single_word": false, "lstrip": false,
-               "rstrip": false, "normalized": false, "special": true})
-    };
-    json!({
-        "version": "1.0",
-        "truncation": null,
-        "padding": null,
-        "added_tokens": [special(1, "<s>"), special(2, "</s>")],
-        "normalizer": null,
-        "pre_tokenizer": {"type": "Whitespace"},
-        "post_processor": {
-            "type": "TemplateProcessing",
-            "single": [{"SpecialToken": {"id": "<s>", "type_id": 0}},
-                       {"Sequence": {"id": "A", "type_id": 0}}],
-            "pair": [{"SpecialToken": {"id": "<s>", "type_id": 0}},
-                     {"Sequence": {"id": "A", "type_id": 0}},
-                     {"Sequence": {"id": "B", "type_id": 1}}],
-            "special_tokens": {"<s>": {"id": "<s>", "ids": [1], "tokens": ["<s>"]}}
-        },
-        "decoder": null,
-        "model": {"type": "WordLevel", "unk_token": "<unk>", "vocab": {
-            "<unk>": 0, "<s>": 1, "</s>": 2, "1": 3, "2": 4, "3": 5, "####": 6,
-            "what": 7, "is": 8, "plus": 9}}
-    })
-    .to_string()
+    support::word_level_tokenizer(
+        &[(1, "<s>"), (2, "</s>")],
+        json!({"<unk>": 0, "<s>": 1, "</s>": 2, "1": 3, "2": 4, "3": 5, "####": 6,
+               "what": 7, "is": 8, "plus": 9}),
+    )
 }
 
 fn llama_config(eos: Option<u32>) -> DecoderConfig {
@@ -78,12 +44,8 @@ fn llama_config(eos: Option<u32>) -> DecoderConfig {
 /// the tokenizer.
 fn model_dir(name: &str, eos: Option<u32>, tokenizer: bool) -> PathBuf {
     let dir = tmpdir(name).join("model");
-    let cfg = llama_config(eos);
-    let m = Decoder::random(&cfg, 7, &Device::Cpu).unwrap();
-    zoo::export(&m, &cfg, &dir).unwrap();
-    if tokenizer {
-        std::fs::write(dir.join("tokenizer.json"), tokenizer_json()).unwrap();
-    }
+    let tok = tokenizer.then(tokenizer_json);
+    support::write_model(&dir, &llama_config(eos), 7, tok.as_deref());
     dir
 }
 
@@ -145,18 +107,6 @@ fn train_args(model: &Path, data: &Path, work: &Path, steps: &str) -> Vec<String
     .iter()
     .map(|x| x.to_string())
     .collect()
-}
-
-fn run_ok(args: &[String]) -> String {
-    let a: Vec<&str> = args.iter().map(String::as_str).collect();
-    let (code, out, err) = hilore(&a);
-    assert_eq!(
-        code,
-        0,
-        "hilore {}\nstdout:\n{out}\nstderr:\n{err}",
-        a.join(" ")
-    );
-    out
 }
 
 #[test]
@@ -287,9 +237,7 @@ fn a_model_without_tokenizer_json_is_refused_naming_the_file() {
     let work = model.parent().unwrap().to_path_buf();
     let data = dataset(&work);
     let args = train_args(&model, &data, &work, "1");
-    let a: Vec<&str> = args.iter().map(String::as_str).collect();
-    let (code, _, err) = hilore(&a);
-    assert_ne!(code, 0);
+    let err = run_refused(&args);
     let want = model.join("tokenizer.json");
     assert!(err.contains(want.to_str().unwrap()), "{err}");
     assert!(err.contains("not found"), "{err}");
@@ -307,9 +255,7 @@ fn a_model_without_an_end_token_is_refused_naming_the_field() {
     let tok = tokenizer_json().replace("\"</s>\"", "\"<end>\"");
     std::fs::write(model.join("tokenizer.json"), tok).unwrap();
     let args = train_args(&model, &data, &work, "1");
-    let a: Vec<&str> = args.iter().map(String::as_str).collect();
-    let (code, _, err) = hilore(&a);
-    assert_ne!(code, 0);
+    let err = run_refused(&args);
     assert!(err.contains("eos_token_id"), "{err}");
     assert!(err.contains("config.json"), "{err}");
     assert!(!err.contains("panicked"), "{err}");
@@ -320,15 +266,12 @@ fn model_runs_need_a_dataset_and_refuse_config() {
     let model = model_dir("flags", Some(2), true);
     let work = model.parent().unwrap().to_path_buf();
     let m = model.to_str().unwrap();
-    let (code, _, err) = hilore(&["train", "--model", m, "--task", "arithmetic"]);
-    assert_ne!(code, 0);
+    let err = run_refused(&["train", "--model", m, "--task", "arithmetic"]);
     assert!(err.contains("--data FILE.jsonl"), "{err}");
     let data = dataset(&work);
     let cfg = model.join("config.json");
     let mut args = train_args(&model, &data, &work, "1");
     args.extend(["--config".into(), cfg.to_str().unwrap().into()]);
-    let a: Vec<&str> = args.iter().map(String::as_str).collect();
-    let (code, _, err) = hilore(&a);
-    assert_ne!(code, 0);
+    let err = run_refused(&args);
     assert!(err.contains("--config and --model"), "{err}");
 }

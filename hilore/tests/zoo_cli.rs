@@ -1,56 +1,25 @@
 //! `hilore score` and `hilore export` on a zoo model directory written by the test.
 
+mod support;
+
 use candle_core::Device;
-use hilore_models::{zoo, Decoder, DecoderConfig, TokenBatch};
+use hilore_models::{zoo, DecoderConfig, TokenBatch};
 use hilore_runtime::Cx;
 use serde_json::{json, Value};
 use std::path::{Path, PathBuf};
-use std::process::Command;
-
-fn hilore(args: &[&str]) -> (i32, String, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_hilore"))
-        .args(args)
-        .output()
-        .expect("the hilore binary runs");
-    (
-        out.status.code().unwrap_or(-1),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
-}
+use support::{hilore, run_ok};
 
 fn tmpdir(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("hilore-cli-zoo-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
+    support::tmpdir("cli-zoo", name)
 }
 
 /// A WordLevel tokenizer.json: whitespace pre-tokenizer, `<s>` prepended to a single
 /// sequence by the post-processor.
 fn tokenizer_json() -> String {
-    json!({
-        "version": "1.0",
-        "truncation": null,
-        "padding": null,
-        "added_tokens": [{"id": 1, "content": "<s>", "single_word": false, "lstrip": false,
-            "rstrip": false, "normalized": false, "special": true}],
-        "normalizer": null,
-        "pre_tokenizer": {"type": "Whitespace"},
-        "post_processor": {
-            "type": "TemplateProcessing",
-            "single": [{"SpecialToken": {"id": "<s>", "type_id": 0}},
-                       {"Sequence": {"id": "A", "type_id": 0}}],
-            "pair": [{"SpecialToken": {"id": "<s>", "type_id": 0}},
-                     {"Sequence": {"id": "A", "type_id": 0}},
-                     {"Sequence": {"id": "B", "type_id": 1}}],
-            "special_tokens": {"<s>": {"id": "<s>", "ids": [1], "tokens": ["<s>"]}}
-        },
-        "decoder": null,
-        "model": {"type": "WordLevel", "unk_token": "<unk>", "vocab": {
-            "<unk>": 0, "<s>": 1, "the": 2, "cat": 3, "sat": 4, "on": 5, "mat": 6, "a": 7}}
-    })
-    .to_string()
+    support::word_level_tokenizer(
+        &[(1, "<s>")],
+        json!({"<unk>": 0, "<s>": 1, "the": 2, "cat": 3, "sat": 4, "on": 5, "mat": 6, "a": 7}),
+    )
 }
 
 /// A Qwen3-style model directory with random weights and the tokenizer.
@@ -63,10 +32,27 @@ fn model_dir(name: &str) -> PathBuf {
         "max_position_embeddings": 32, "tie_word_embeddings": true, "rope_theta": 1e6,
     }))
     .unwrap();
-    let m = Decoder::random(&cfg, 3, &Device::Cpu).unwrap();
-    zoo::export(&m, &cfg, &dir).unwrap();
-    std::fs::write(dir.join("tokenizer.json"), tokenizer_json()).unwrap();
+    support::write_model(&dir, &cfg, 3, Some(&tokenizer_json()));
     dir
+}
+
+/// `hilore <command> --model dir <flag> path` followed by the flags in `extra`.
+fn on_model<'a>(
+    command: &'a str,
+    dir: &'a Path,
+    flag: &'a str,
+    path: &'a Path,
+    extra: &[&'a str],
+) -> Vec<&'a str> {
+    let mut args = vec![
+        command,
+        "--model",
+        dir.to_str().unwrap(),
+        flag,
+        path.to_str().unwrap(),
+    ];
+    args.extend(extra);
+    args
 }
 
 fn write_input(dir: &Path, lines: &[&str]) -> PathBuf {
@@ -87,15 +73,7 @@ fn score_prints_completion_logprobs_given_the_prompt() {
             r#"{"prompt": "the", "completion": "cat cat"}"#,
         ],
     );
-    let (code, out, err) = hilore(&[
-        "score",
-        "--model",
-        dir.to_str().unwrap(),
-        "--input",
-        input.to_str().unwrap(),
-        "--json",
-    ]);
-    assert_eq!(code, 0, "{err}");
+    let out = run_ok(&on_model("score", &dir, "--input", &input, &["--json"]));
     let rows: Vec<Value> = out
         .lines()
         .map(|l| serde_json::from_str(l).unwrap())
@@ -138,14 +116,7 @@ fn score_prints_completion_logprobs_given_the_prompt() {
         assert!((rows[row]["sum_logprob"].as_f64().unwrap() - sum).abs() < 1e-5);
     }
 
-    let (code, out, err) = hilore(&[
-        "score",
-        "--model",
-        dir.to_str().unwrap(),
-        "--input",
-        input.to_str().unwrap(),
-    ]);
-    assert_eq!(code, 0, "{err}");
+    let out = run_ok(&on_model("score", &dir, "--input", &input, &[]));
     assert!(
         out.contains("line 1: 3 prompt tokens, 4 completion tokens"),
         "{out}"
@@ -163,13 +134,7 @@ fn score_errors_name_the_line_and_the_field() {
             r#"{"prompt": "the cat"}"#,
         ],
     );
-    let (code, _, err) = hilore(&[
-        "score",
-        "--model",
-        dir.to_str().unwrap(),
-        "--input",
-        input.to_str().unwrap(),
-    ]);
+    let (code, _, err) = hilore(&on_model("score", &dir, "--input", &input, &[]));
     assert_eq!(code, 2);
     assert!(
         err.contains("input.jsonl:2") && err.contains("`completion`"),
@@ -177,13 +142,7 @@ fn score_errors_name_the_line_and_the_field() {
     );
 
     std::fs::remove_file(dir.join("tokenizer.json")).unwrap();
-    let (code, _, err) = hilore(&[
-        "score",
-        "--model",
-        dir.to_str().unwrap(),
-        "--input",
-        input.to_str().unwrap(),
-    ]);
+    let (code, _, err) = hilore(&on_model("score", &dir, "--input", &input, &[]));
     assert_eq!(code, 2);
     assert!(err.contains("tokenizer.json"), "{err}");
 }
@@ -192,14 +151,7 @@ fn score_errors_name_the_line_and_the_field() {
 fn export_writes_a_directory_that_reloads_bit_identically() {
     let dir = model_dir("export-src");
     let out = tmpdir("export-out");
-    let (code, _, err) = hilore(&[
-        "export",
-        "--model",
-        dir.to_str().unwrap(),
-        "--out",
-        out.to_str().unwrap(),
-    ]);
-    assert_eq!(code, 0, "{err}");
+    run_ok(&on_model("export", &dir, "--out", &out, &[]));
     let (a, _, _) = zoo::load(&dir, &Device::Cpu).unwrap();
     let (b, _, tok) = zoo::load(&out, &Device::Cpu).unwrap();
     assert!(tok.is_some());
@@ -218,28 +170,19 @@ fn export_writes_a_directory_that_reloads_bit_identically() {
     );
 
     let half = tmpdir("export-bf16");
-    let (code, _, err) = hilore(&[
+    run_ok(&on_model(
         "export",
-        "--model",
-        dir.to_str().unwrap(),
+        &dir,
         "--out",
-        half.to_str().unwrap(),
-        "--dtype",
-        "bf16",
-    ]);
-    assert_eq!(code, 0, "{err}");
+        &half,
+        &["--dtype", "bf16"],
+    ));
     let cfg: Value =
         serde_json::from_str(&std::fs::read_to_string(half.join("config.json")).unwrap()).unwrap();
     assert_eq!(cfg["torch_dtype"], "bfloat16");
     zoo::load(&half, &Device::Cpu).unwrap();
 
-    let (code, _, err) = hilore(&[
-        "export",
-        "--model",
-        dir.to_str().unwrap(),
-        "--out",
-        dir.to_str().unwrap(),
-    ]);
+    let (code, _, err) = hilore(&on_model("export", &dir, "--out", &dir, &[]));
     assert_eq!(code, 2);
     assert!(err.contains("model directory itself"), "{err}");
 }
