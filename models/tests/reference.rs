@@ -2,10 +2,13 @@
 //! ([`hilore_models::reference::CandleDecoder`]): forward log-probs and every parameter
 //! gradient, for GQA configs tied and untied, with and without q/k/v bias.
 
+mod support;
+
 use candle_core::{DType, Device, Tensor};
 use hilore_models::reference::CandleDecoder;
 use hilore_models::{plans, rng, Decoder, DecoderConfig, TokenBatch};
 use hilore_runtime::{Cx, Grads};
+use support::{bits, max_abs};
 
 /// Relative L2 bound per parameter gradient, `||g_tape - g_candle|| / ||g_candle||`.
 ///
@@ -54,17 +57,6 @@ fn rel_l2(a: &Tensor, b: &Tensor) -> f64 {
     }
     assert!(den > 0.0, "reference gradient is exactly zero");
     (num / den).sqrt()
-}
-
-fn max_abs(a: &Tensor, b: &Tensor) -> f64 {
-    (a - b)
-        .unwrap()
-        .abs()
-        .unwrap()
-        .max(0)
-        .unwrap()
-        .to_scalar::<f32>()
-        .unwrap() as f64
 }
 
 /// Returns (logp max abs diff, worst per-tensor gradient rel L2, its name).
@@ -173,25 +165,7 @@ fn named_params_follow_hf_names() {
     // The seeded init reproduces bit for bit.
     let again = Decoder::random(&cfg, 1, &dev).unwrap();
     for ((n, a), (_, b)) in model.named_params().iter().zip(again.named_params()) {
-        let a: Vec<u32> = a
-            .tensor()
-            .flatten_all()
-            .unwrap()
-            .to_vec1::<f32>()
-            .unwrap()
-            .iter()
-            .map(|x| x.to_bits())
-            .collect();
-        let b: Vec<u32> = b
-            .tensor()
-            .flatten_all()
-            .unwrap()
-            .to_vec1::<f32>()
-            .unwrap()
-            .iter()
-            .map(|x| x.to_bits())
-            .collect();
-        assert_eq!(a, b, "{n}");
+        assert_eq!(bits(a.tensor()), bits(b.tensor()), "{n}");
     }
     let counted: usize = model
         .named_params()

@@ -8,6 +8,8 @@
 //! Every model here is written by the test: random weights (f32, or bf16 for one Qwen3
 //! case) saved as safetensors next to an HF-style config.json.
 
+mod support;
+
 use candle_core::{DType, Device, IndexOp, Tensor, D};
 use candle_nn::VarBuilder;
 use candle_transformers::models::{llama, mistral, qwen2, qwen3};
@@ -16,6 +18,7 @@ use hilore_runtime::Cx;
 use serde_json::{json, Value};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
+use support::{bits, max_abs, max_magnitude};
 
 fn tmpdir(name: &str) -> PathBuf {
     let d = std::env::temp_dir().join(format!("hilore-zoo-{}-{name}", std::process::id()));
@@ -194,30 +197,6 @@ fn logits_bound(cfg: &DecoderConfig, t: usize, scale: f64) -> f64 {
 fn logp_bound(cfg: &DecoderConfig, logits: f64, scale: f64) -> f64 {
     let v = cfg.vocab_size as f64;
     2.0 * logits + 2.0 * U * (v + 2.0 * scale + v.ln())
-}
-
-fn max_abs(a: &Tensor, b: &Tensor) -> f64 {
-    (a - b)
-        .unwrap()
-        .abs()
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .max(0)
-        .unwrap()
-        .to_scalar::<f32>()
-        .unwrap() as f64
-}
-
-fn max_magnitude(t: &Tensor) -> f64 {
-    t.abs()
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .max(0)
-        .unwrap()
-        .to_scalar::<f32>()
-        .unwrap() as f64
 }
 
 struct Case {
@@ -451,23 +430,7 @@ fn sharded_weights_load_like_a_single_file() {
 }
 
 fn assert_bits_equal(a: &Tensor, b: &Tensor, what: &str) {
-    let a: Vec<u32> = a
-        .flatten_all()
-        .unwrap()
-        .to_vec1::<f32>()
-        .unwrap()
-        .iter()
-        .map(|x| x.to_bits())
-        .collect();
-    let b: Vec<u32> = b
-        .flatten_all()
-        .unwrap()
-        .to_vec1::<f32>()
-        .unwrap()
-        .iter()
-        .map(|x| x.to_bits())
-        .collect();
-    assert!(a == b, "{what}: not bit-identical");
+    assert!(bits(a) == bits(b), "{what}: not bit-identical");
 }
 
 #[test]

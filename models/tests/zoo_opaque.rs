@@ -5,6 +5,8 @@
 //! Under Store and under Recompute the gradients are bit-identical, and they match candle's
 //! own autograd on the whole model ([`CandleDecoder`]).
 
+mod support;
+
 use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::{VarBuilder, VarMap};
 use candle_transformers::models::with_tracing::{linear_no_bias, RmsNorm};
@@ -12,6 +14,7 @@ use hilore_models::reference::CandleDecoder;
 use hilore_models::{Decoder, DecoderConfig, TokenBatch};
 use hilore_runtime::{opaque_unit, Cx, Fidelity, Grads, OpaqueUnit, Plan, Result, Var};
 use std::collections::HashMap;
+use support::bits;
 
 opaque_unit!(static ZOO_MLP = "zoo_mlp", deterministic);
 
@@ -93,16 +96,6 @@ fn forward<'m, M: Module>(
         x = mlp.forward(cx, &x)?;
     }
     model.head(cx, &x, &targets)
-}
-
-fn bits(t: &Tensor) -> Vec<u32> {
-    t.flatten_all()
-        .unwrap()
-        .to_vec1::<f32>()
-        .unwrap()
-        .iter()
-        .map(|v| v.to_bits())
-        .collect()
 }
 
 fn rel_l2(a: &Tensor, b: &Tensor) -> f64 {

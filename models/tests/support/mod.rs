@@ -1,0 +1,34 @@
+//! Tensor comparisons shared by the tests that check the decoder against candle.
+
+// Each test crate that declares `mod support;` uses only part of this module.
+#![allow(dead_code)]
+
+use candle_core::Tensor;
+
+/// The bit patterns of an f32 tensor's elements, in row-major order.
+pub fn bits(t: &Tensor) -> Vec<u32> {
+    t.flatten_all()
+        .unwrap()
+        .to_vec1::<f32>()
+        .unwrap()
+        .iter()
+        .map(|x| x.to_bits())
+        .collect()
+}
+
+/// The largest absolute value of an f32 tensor's elements.
+pub fn max_magnitude(t: &Tensor) -> f64 {
+    t.abs()
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .max(0)
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap() as f64
+}
+
+/// The largest absolute elementwise difference of two f32 tensors of the same shape.
+pub fn max_abs(a: &Tensor, b: &Tensor) -> f64 {
+    max_magnitude(&(a - b).unwrap())
+}
