@@ -442,6 +442,53 @@ fn attention_inputs(seed: u64) -> (Packing, Tensor, Tensor, Tensor) {
     )
 }
 
+/// The largest absolute difference between `o`, the attention output for `q`, `k`, `v`
+/// over `packing`, and a naive f64 reference: per sequence, head and query `i`, a full
+/// softmax over every key of the sequence with the masked keys at -inf. Keys `j > i` are
+/// masked, and with a `window` of `W` also those with `i - j >= W` (Hugging Face's sliding
+/// window: the keys `i - W < j <= i` stay).
+fn naive_attention_max_diff(
+    packing: &Packing,
+    (q, k, v): (&Tensor, &Tensor, &Tensor),
+    o: &Tensor,
+    scale: f64,
+    window: Option<usize>,
+) -> f64 {
+    let o = o.to_vec3::<f64>().unwrap();
+    let (q, k, v) = (
+        q.to_vec3::<f64>().unwrap(),
+        k.to_vec3::<f64>().unwrap(),
+        v.to_vec3::<f64>().unwrap(),
+    );
+    let group = HQ / HKV;
+    let mut worst = 0.0f64;
+    for w in packing.offsets().windows(2) {
+        let (s0, s1) = (w[0], w[1]);
+        for h in 0..HQ {
+            let kv = h / group;
+            for i in s0..s1 {
+                let scores: Vec<f64> = (s0..s1)
+                    .map(|j| {
+                        if j > i || window.is_some_and(|w| i - j >= w) {
+                            f64::NEG_INFINITY
+                        } else {
+                            (0..HD).map(|e| q[i][h][e] * k[j][kv][e]).sum::<f64>() * scale
+                        }
+                    })
+                    .collect();
+                let m = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                let e: Vec<f64> = scores.iter().map(|s| (s - m).exp()).collect();
+                let z: f64 = e.iter().sum();
+                for d in 0..HD {
+                    let want: f64 = (s0..s1).map(|j| e[j - s0] / z * v[j][kv][d]).sum();
+                    worst = worst.max((o[i][h][d] - want).abs());
+                }
+            }
+        }
+    }
+    worst
+}
+
 #[test]
 fn fd_attention() {
     let (packing, q, k, v) = attention_inputs(13);
@@ -484,39 +531,7 @@ fn attention_matches_naive_reference() {
             scale,
         )
         .unwrap();
-    let o = o.tensor().to_vec3::<f64>().unwrap();
-    let (q, k, v) = (
-        q.to_vec3::<f64>().unwrap(),
-        k.to_vec3::<f64>().unwrap(),
-        v.to_vec3::<f64>().unwrap(),
-    );
-    let group = HQ / HKV;
-    let mut worst = 0.0f64;
-    for w in packing.offsets().windows(2) {
-        let (s0, s1) = (w[0], w[1]);
-        for h in 0..HQ {
-            let kv = h / group;
-            for i in s0..s1 {
-                // Full softmax over every key of the sequence, causal mask as -inf.
-                let scores: Vec<f64> = (s0..s1)
-                    .map(|j| {
-                        if j > i {
-                            f64::NEG_INFINITY
-                        } else {
-                            (0..HD).map(|e| q[i][h][e] * k[j][kv][e]).sum::<f64>() * scale
-                        }
-                    })
-                    .collect();
-                let m = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
-                let e: Vec<f64> = scores.iter().map(|s| (s - m).exp()).collect();
-                let z: f64 = e.iter().sum();
-                for d in 0..HD {
-                    let want: f64 = (s0..s1).map(|j| e[j - s0] / z * v[j][kv][d]).sum();
-                    worst = worst.max((o[i][h][d] - want).abs());
-                }
-            }
-        }
-    }
+    let worst = naive_attention_max_diff(&packing, (&q, &k, &v), o.tensor(), scale, None);
     // Same math in f64, different summation order: agreement to ~1e-15; 1e-12 allows for
     // O(T * D) accumulated roundings.
     assert!(worst < 1e-12, "attention vs naive: max abs diff {worst:e}");
@@ -594,39 +609,7 @@ fn attention_window_matches_naive_reference() {
             Some(window),
         )
         .unwrap();
-    let o = o.tensor().to_vec3::<f64>().unwrap();
-    let (q, k, v) = (
-        q.to_vec3::<f64>().unwrap(),
-        k.to_vec3::<f64>().unwrap(),
-        v.to_vec3::<f64>().unwrap(),
-    );
-    let group = HQ / HKV;
-    let mut worst = 0.0f64;
-    for w in packing.offsets().windows(2) {
-        let (s0, s1) = (w[0], w[1]);
-        for h in 0..HQ {
-            let kv = h / group;
-            for i in s0..s1 {
-                // Keys j with i - W < j <= i (Hugging Face's sliding window).
-                let visible: Vec<usize> = (s0..=i).filter(|&j| i - j < window).collect();
-                let scores: Vec<f64> = visible
-                    .iter()
-                    .map(|&j| (0..HD).map(|e| q[i][h][e] * k[j][kv][e]).sum::<f64>() * scale)
-                    .collect();
-                let m = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
-                let e: Vec<f64> = scores.iter().map(|s| (s - m).exp()).collect();
-                let z: f64 = e.iter().sum();
-                for d in 0..HD {
-                    let want: f64 = visible
-                        .iter()
-                        .zip(&e)
-                        .map(|(&j, e)| e / z * v[j][kv][d])
-                        .sum();
-                    worst = worst.max((o[i][h][d] - want).abs());
-                }
-            }
-        }
-    }
+    let worst = naive_attention_max_diff(&packing, (&q, &k, &v), o.tensor(), scale, Some(window));
     // Same bound and reason as the unwindowed case.
     assert!(
         worst < 1e-12,
