@@ -34,8 +34,9 @@
 //! * Zeros: ±0 encode as ±0 and decode as ±0.
 //! * Subnormals: f32 subnormals are scaled like any value and round to the nearest E4M3 code
 //!   (usually zero). Values that land below 2^-6 after scaling use E4M3's subnormal codes.
-//! * NaN and ±Inf: `encode` fails with [`CodecError::NonFinite`]
-//!   naming the first offending index, and leaves `out` empty.
+//! * NaN and ±Inf: `encode` fails with
+//!   [`CodecError::NonFinite`](crate::CodecError::NonFinite) naming the first offending
+//!   index, and leaves `out` empty.
 //! * Decode rejects NaN codes (0x7f, 0xff) and scales an encoder cannot write (negative,
 //!   NaN, Inf, subnormal, or with `scale * 448` overflowing).
 //!
@@ -47,7 +48,6 @@
 //! `t` and `y`.
 
 use crate::scaled::{self, BlockFormat};
-use crate::{Codec, CodecError, Encoded};
 
 /// Bits of f32 2^-6, the smallest normal E4M3 magnitude.
 const MIN_NORMAL_BITS: u32 = 0x3c80_0000;
@@ -153,23 +153,7 @@ macro_rules! fp8_codec {
             }
         }
 
-        impl Codec for Fp8E4m3<$block> {
-            fn name(&self) -> &'static str {
-                $name
-            }
-
-            fn encoded_len(&self, n: usize) -> usize {
-                scaled::encoded_len::<Format<$block>>(n)
-            }
-
-            fn encode(&self, src: &[f32], out: &mut Encoded) -> Result<(), CodecError> {
-                scaled::encode::<Format<$block>>(src, out)
-            }
-
-            fn decode(&self, enc: &Encoded, dst: &mut [f32]) -> Result<(), CodecError> {
-                scaled::decode::<Format<$block>>(enc, dst)
-            }
-        }
+        scaled::block_format_codec!(Fp8E4m3<$block>, Format<$block>);
     };
 }
 

@@ -21,8 +21,9 @@
 //! * Zeros: encode as code 0 and decode as +0 (the sign of zero is not kept).
 //! * Subnormals: f32 subnormals are scaled like any value and round to the nearest integer,
 //!   almost always 0.
-//! * NaN and ±Inf: `encode` fails with [`CodecError::NonFinite`]
-//!   naming the first offending index, and leaves `out` empty.
+//! * NaN and ±Inf: `encode` fails with
+//!   [`CodecError::NonFinite`](crate::CodecError::NonFinite) naming the first offending
+//!   index, and leaves `out` empty.
 //! * Decode rejects the nibble -8 (0x8), a non-zero padding nibble (reported at index `n`),
 //!   and scales an encoder cannot write (negative, NaN, Inf, subnormal, or with `scale * 7`
 //!   overflowing).
@@ -31,7 +32,6 @@
 //! |x| from rounding `inv`, `x * inv` and `y`.
 
 use crate::scaled::{self, round_clamp, BlockFormat};
-use crate::{Codec, CodecError, Encoded};
 
 /// The INT4 codec with one f32 scale per `GROUP` values (32, 64 or 128).
 #[derive(Debug, Clone, Copy, Default)]
@@ -100,23 +100,7 @@ macro_rules! int4_codec {
             }
         }
 
-        impl Codec for Int4<$group> {
-            fn name(&self) -> &'static str {
-                $name
-            }
-
-            fn encoded_len(&self, n: usize) -> usize {
-                scaled::encoded_len::<Format<$group>>(n)
-            }
-
-            fn encode(&self, src: &[f32], out: &mut Encoded) -> Result<(), CodecError> {
-                scaled::encode::<Format<$group>>(src, out)
-            }
-
-            fn decode(&self, enc: &Encoded, dst: &mut [f32]) -> Result<(), CodecError> {
-                scaled::decode::<Format<$group>>(enc, dst)
-            }
-        }
+        scaled::block_format_codec!(Int4<$group>, Format<$group>);
     };
 }
 

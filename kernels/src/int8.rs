@@ -18,8 +18,9 @@
 //! * Zeros: encode as code 0 and decode as +0 (the sign of zero is not kept).
 //! * Subnormals: f32 subnormals are scaled like any value and round to the nearest integer,
 //!   almost always 0.
-//! * NaN and ±Inf: `encode` fails with [`CodecError::NonFinite`]
-//!   naming the first offending index, and leaves `out` empty.
+//! * NaN and ±Inf: `encode` fails with
+//!   [`CodecError::NonFinite`](crate::CodecError::NonFinite) naming the first offending
+//!   index, and leaves `out` empty.
 //! * Decode rejects code -128 (0x80) and scales an encoder cannot write (negative, NaN, Inf,
 //!   subnormal, or with `scale * 127` overflowing).
 //!
@@ -27,7 +28,6 @@
 //! |x| from rounding `inv`, `x * inv` and `y`.
 
 use crate::scaled::{self, round_clamp, BlockFormat};
-use crate::{Codec, CodecError, Encoded};
 
 /// The INT8 codec with one f32 scale per `BLOCK` values (32).
 #[derive(Debug, Clone, Copy, Default)]
@@ -75,23 +75,7 @@ macro_rules! int8_codec {
             }
         }
 
-        impl Codec for Int8<$block> {
-            fn name(&self) -> &'static str {
-                $name
-            }
-
-            fn encoded_len(&self, n: usize) -> usize {
-                scaled::encoded_len::<Format<$block>>(n)
-            }
-
-            fn encode(&self, src: &[f32], out: &mut Encoded) -> Result<(), CodecError> {
-                scaled::encode::<Format<$block>>(src, out)
-            }
-
-            fn decode(&self, enc: &Encoded, dst: &mut [f32]) -> Result<(), CodecError> {
-                scaled::decode::<Format<$block>>(enc, dst)
-            }
-        }
+        scaled::block_format_codec!(Int8<$block>, Format<$block>);
     };
 }
 

@@ -42,6 +42,40 @@ pub(crate) trait BlockFormat: 'static {
     }
 }
 
+/// Implements [`Codec`](crate::Codec) for the codec type `$codec` by the scaled block
+/// format `$format`: its name is the format's [`BlockFormat::NAME`], and sizes, encoding
+/// and decoding are this module's generic functions.
+macro_rules! block_format_codec {
+    ($codec:ty, $format:ty) => {
+        impl $crate::Codec for $codec {
+            fn name(&self) -> &'static str {
+                <$format as $crate::scaled::BlockFormat>::NAME
+            }
+
+            fn encoded_len(&self, n: usize) -> usize {
+                $crate::scaled::encoded_len::<$format>(n)
+            }
+
+            fn encode(
+                &self,
+                src: &[f32],
+                out: &mut $crate::Encoded,
+            ) -> Result<(), $crate::CodecError> {
+                $crate::scaled::encode::<$format>(src, out)
+            }
+
+            fn decode(
+                &self,
+                enc: &$crate::Encoded,
+                dst: &mut [f32],
+            ) -> Result<(), $crate::CodecError> {
+                $crate::scaled::decode::<$format>(enc, dst)
+            }
+        }
+    };
+}
+pub(crate) use block_format_codec;
+
 /// Exact encoded size of `n` values: data plus one 4-byte scale per started block.
 pub(crate) fn encoded_len<F: BlockFormat>(n: usize) -> usize {
     F::data_len(n).saturating_add(n.div_ceil(F::BLOCK).saturating_mul(4))
