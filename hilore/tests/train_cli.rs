@@ -2,27 +2,15 @@
 //! resume (after a clean stop, after a kill, and with the allocator's lossy plans after
 //! its calibration), every task and policy, bad input.
 
+mod support;
+
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
-
-fn hilore(args: &[&str]) -> (i32, String, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_hilore"))
-        .args(args)
-        .output()
-        .expect("the hilore binary runs");
-    (
-        out.status.code().unwrap_or(-1),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
-}
+use support::{hilore, run_ok};
 
 fn tmp(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("hilore-train-cli-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
+    support::tmpdir("train-cli", name)
 }
 
 /// A tiny run: a 1-layer model, a short warm start, small groups. Flags in `extra`
@@ -62,13 +50,6 @@ fn tiny(dir: &Path, extra: &[&str]) -> Vec<String> {
     }
     v.extend(extra.iter().map(|s| s.to_string()));
     v
-}
-
-fn run_ok(args: &[String]) -> String {
-    let a: Vec<&str> = args.iter().map(String::as_str).collect();
-    let (code, out, err) = hilore(&a);
-    assert_eq!(code, 0, "hilore {a:?}\nstdout:\n{out}\nstderr:\n{err}");
-    out
 }
 
 /// The metrics lines without their timing fields (wall times and rates differ between
