@@ -174,9 +174,10 @@ pub struct TrainArgs {
     /// Fidelity of the units in the actor update: `hilore` (the default: the allocator
     /// plans every microbatch from measured costs and the step's exposures under 1.10 x
     /// full recompute's peak; microbatches are padded to a multiple of 128 rows;
-    /// calibration runs once, on the first step with exposure, and is checkpointed, so
-    /// --resume stays bit-identical), `store`, `recompute` (per-layer gradient
-    /// checkpointing) or `compress-<codec>`.
+    /// calibration runs once, on the first step with exposure, and is checkpointed, so a
+    /// run resumed after it continues bit for bit; calibration measures times, so two
+    /// separate runs may choose different lossy plans), `store`, `recompute` (per-layer
+    /// gradient checkpointing) or `compress-<codec>`: exact and reproducible.
     #[arg(long, default_value = "hilore", help_heading = "Actor update")]
     policy: String,
     /// With --policy hilore: fold every microbatch's measured recompute and codec times
