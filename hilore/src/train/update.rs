@@ -422,12 +422,16 @@ fn epoch_grads(
         rep.update_tokens += micro.batch.num_tokens();
     }
     if let (Some(alloc), Some((micros, _))) = (&s.allocator, &planned) {
-        // The step's gradient norm refines the allocator's gradient-norm scale.
-        let mut sq = 0f64;
+        // The step's gradient norm refines the allocator's gradient-norm scale. The
+        // gradients are kept in a hash map whose order differs between processes, so the
+        // per-tensor sums are added in sorted order: the same bits in a resumed run.
+        let mut parts = Vec::with_capacity(grads.len());
         for (_, g) in grads.iter() {
             let g = g.to_dtype(candle_core::DType::F64)?;
-            sq += g.sqr()?.sum_all()?.to_scalar::<f64>()?;
+            parts.push(g.sqr()?.sum_all()?.to_scalar::<f64>()?);
         }
+        parts.sort_by(f64::total_cmp);
+        let sq: f64 = parts.iter().sum();
         let exposures: Vec<f64> = micros.iter().map(|(_, _, i)| i.exposure).collect();
         alloc
             .borrow_mut()
