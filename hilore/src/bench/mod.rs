@@ -954,12 +954,31 @@ pub fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
         .context("GC was not measured")?;
     set_ratios(&mut rows, &gc_row);
 
+    // A sweep phase: its policies after full recompute, measured interleaved; ratios to
+    // the GC measured in the same phase are immune to the machine's load changing
+    // between phases.
+    let mut sweep_phase =
+        |planned: Vec<PlannedPolicy>, label: &str| -> anyhow::Result<Vec<PolicyRow>> {
+            let b = bar((planned.len() * mbs.len() * args.sweep_reps) as u64, label);
+            let mut r = measure(
+                &model,
+                &mbs,
+                &planned,
+                args.sweep_reps,
+                &mut exact,
+                state,
+                &b,
+                &mut Vec::new(),
+            )?;
+            b.finish_and_clear();
+            let gc = r.remove(0);
+            set_ratios(&mut r, &gc);
+            Ok(r)
+        };
     // Budget sweep.
     let mut sweep = Vec::new();
     if !args.budgets.is_empty() {
         let kinds: Vec<Kind> = Kind::ALL.iter().copied().filter(|k| k.budgeted()).collect();
-        // Full recompute is measured in the same interleaved phase: ratios to it are
-        // immune to the machine's load changing between phases.
         let mut planned = plan_all(budget_bytes, args.target_rel_l2, &[Kind::Gc])?;
         for &f in &args.budgets {
             planned.extend(plan_all(
@@ -968,24 +987,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
                 &kinds,
             )?);
         }
-        let b = bar(
-            (planned.len() * mbs.len() * args.sweep_reps) as u64,
-            "budget sweep",
-        );
-        let mut r = measure(
-            &model,
-            &mbs,
-            &planned,
-            args.sweep_reps,
-            &mut exact,
-            state,
-            &b,
-            &mut Vec::new(),
-        )?;
-        b.finish_and_clear();
-        let gc = r.remove(0);
-        set_ratios(&mut r, &gc);
-        sweep = r;
+        sweep = sweep_phase(planned, "budget sweep")?;
     }
     // Risk sweep.
     let mut risk_sweep = Vec::new();
@@ -997,24 +999,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
                 planned.push(p);
             }
         }
-        let b = bar(
-            (planned.len() * mbs.len() * args.sweep_reps) as u64,
-            "risk sweep",
-        );
-        let mut r = measure(
-            &model,
-            &mbs,
-            &planned,
-            args.sweep_reps,
-            &mut exact,
-            state,
-            &b,
-            &mut Vec::new(),
-        )?;
-        b.finish_and_clear();
-        let gc = r.remove(0);
-        set_ratios(&mut r, &gc);
-        risk_sweep = r;
+        risk_sweep = sweep_phase(planned, "risk sweep")?;
     }
 
     // Additivity.
