@@ -3,46 +3,59 @@
 //! prediction byte for byte, the exact policies reproduce the exact gradient, and the
 //! charts are written. Timings are not asserted (they depend on the machine).
 
-use std::process::Command;
+mod support;
+
+use std::path::Path;
+use support::{hilore, run_ok, tmpdir};
 
 const TINY: &str = r#"{"vocab_size":128,"hidden_size":32,"intermediate_size":88,"num_hidden_layers":3,
 "num_attention_heads":4,"num_key_value_heads":2,"head_dim":8,"model_type":"llama"}"#;
 
-#[test]
-fn bench_json_and_plots() {
-    let dir = std::env::temp_dir().join(format!("hilore-bench-test-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+/// `hilore bench` on the tiny decoder (its config written into `dir`), one repetition,
+/// groups of 4, quiet, followed by `extra`.
+fn tiny_bench(dir: &Path, extra: &[&str]) -> Vec<String> {
     let cfg = dir.join("config.json");
     std::fs::write(&cfg, TINY).unwrap();
+    let mut v: Vec<String> = ["bench", "--quiet", "--config"]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+    v.push(cfg.display().to_string());
+    v.extend(
+        ["--group", "4", "--reps", "1"]
+            .iter()
+            .map(|s| s.to_string()),
+    );
+    v.extend(extra.iter().map(|s| s.to_string()));
+    v
+}
+
+fn path(p: &Path) -> &str {
+    p.to_str().unwrap()
+}
+
+#[test]
+fn bench_json_and_plots() {
+    let dir = tmpdir("bench-test", "json");
     let json = dir.join("bench.json");
     let plots = dir.join("plots");
-    let out = Command::new(env!("CARGO_BIN_EXE_hilore"))
-        .args([
-            "bench",
-            "--quiet",
-            "--config",
-            cfg.to_str().unwrap(),
+    run_ok(&tiny_bench(
+        &dir,
+        &[
             "--rows",
             "160",
             "--prompts",
             "3",
-            "--group",
-            "4",
-            "--reps",
-            "1",
             "--budgets",
             "1.05,1.5",
             "--risk-targets",
             "0.03",
             "--json",
-            json.to_str().unwrap(),
+            path(&json),
             "--plot",
-            plots.to_str().unwrap(),
-        ])
-        .output()
-        .expect("hilore runs");
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "{stderr}");
+            path(&plots),
+        ],
+    ));
     let v: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
     assert!(v["config"].is_object());
@@ -122,32 +135,20 @@ fn bench_json_and_plots() {
 
 #[test]
 fn infeasible_budget_is_a_clear_error() {
-    let dir = std::env::temp_dir().join(format!("hilore-bench-inf-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let cfg = dir.join("config.json");
-    std::fs::write(&cfg, TINY).unwrap();
-    let out = Command::new(env!("CARGO_BIN_EXE_hilore"))
-        .args([
-            "bench",
-            "--quiet",
-            "--config",
-            cfg.to_str().unwrap(),
+    let dir = tmpdir("bench-test", "infeasible");
+    let (_, _, stderr) = hilore(&tiny_bench(
+        &dir,
+        &[
             "--rows",
             "128",
             "--prompts",
             "2",
-            "--group",
-            "4",
-            "--reps",
-            "1",
             "--budget",
             "0.5",
             "--risk-targets",
             "0.03",
-        ])
-        .output()
-        .expect("hilore runs");
-    let stderr = String::from_utf8_lossy(&out.stderr);
+        ],
+    ));
     assert!(
         stderr.contains("smallest feasible budget is"),
         "expected the budgeted policies to name the smallest feasible budget: {stderr}"
@@ -159,29 +160,26 @@ fn infeasible_budget_is_a_clear_error() {
 /// for each seed and reports the paired difference with the documented fields.
 #[test]
 fn compare_runs_paired_training() {
-    let dir = std::env::temp_dir().join(format!("hilore-compare-test-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = tmpdir("bench-test", "compare");
     let json = dir.join("compare.json");
-    let out = Command::new(env!("CARGO_BIN_EXE_hilore"))
-        .args(["compare", "--seeds", "0,1", "--json"])
-        .arg(&json)
-        .arg("--dir")
-        .arg(&dir)
-        .args([
-            "--",
-            "--steps",
-            "2",
-            "--prompts",
-            "8",
-            "--sft-steps",
-            "20",
-            "--heldout",
-            "10",
-        ])
-        .output()
-        .expect("hilore runs");
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "{stderr}");
+    run_ok(&[
+        "compare",
+        "--seeds",
+        "0,1",
+        "--json",
+        path(&json),
+        "--dir",
+        path(&dir),
+        "--",
+        "--steps",
+        "2",
+        "--prompts",
+        "8",
+        "--sft-steps",
+        "20",
+        "--heldout",
+        "10",
+    ]);
     let v: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
     for key in [

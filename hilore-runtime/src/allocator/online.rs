@@ -410,11 +410,8 @@ impl OnlineAllocator {
         let Some(old) = self.risk.grad_norm_per_exposure else {
             return;
         };
-        let mut step = self.risk.clone();
-        step.calibrate_step_norm(grad_norm, exposures);
-        let Some(new) = step
-            .grad_norm_per_exposure
-            .filter(|g| *g > 0.0 && *g != old)
+        let Some(new) =
+            super::risk::step_gamma(grad_norm, exposures).filter(|g| *g > 0.0 && *g != old)
         else {
             return;
         };

@@ -96,9 +96,8 @@ impl RiskModel {
     /// part (GRPO advantages are centred per group, and a group may span microbatches).
     /// No-op when the step has no exposure.
     pub fn calibrate_step_norm(&mut self, step_grad_norm: f64, exposures: &[f64]) {
-        let e = exposures.iter().map(|e| e * e).sum::<f64>().sqrt();
-        if e > 0.0 && step_grad_norm.is_finite() {
-            self.grad_norm_per_exposure = Some(step_grad_norm / e);
+        if let Some(g) = step_gamma(step_grad_norm, exposures) {
+            self.grad_norm_per_exposure = Some(g);
         }
     }
 
@@ -114,6 +113,13 @@ impl RiskModel {
         self.grad_norm_per_exposure
             .map(|g| target_rel_l2 * g * norm / rho)
     }
+}
+
+/// One step's `gamma = ||G|| / sqrt(sum E_m^2)`; `None` when the step has no exposure or
+/// the norm is not finite.
+pub fn step_gamma(step_grad_norm: f64, exposures: &[f64]) -> Option<f64> {
+    let e = exposures.iter().map(|e| e * e).sum::<f64>().sqrt();
+    (e > 0.0 && step_grad_norm.is_finite()).then(|| step_grad_norm / e)
 }
 
 /// Exposure of every sequence: `sum |c|` over its rows (`offsets` as in

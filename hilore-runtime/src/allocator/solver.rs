@@ -494,8 +494,19 @@ impl Solver {
         problem: &Problem,
     ) -> std::result::Result<(Vec<Selection>, usize), Infeasible> {
         let fast = self.solve_at(problem, 0.0)?;
+        let (vertices, solves) = self.frontier_from(problem, fast)?;
+        Ok((vertices, solves + 1))
+    }
+
+    /// [`Solver::frontier`] given the problem's optimum at `mu = 0` (the fastest
+    /// selection); the count excludes that solve.
+    fn frontier_from(
+        &self,
+        problem: &Problem,
+        fast: Selection,
+    ) -> std::result::Result<(Vec<Selection>, usize), Infeasible> {
         if fast.risk <= 0.0 {
-            return Ok((vec![fast], 1));
+            return Ok((vec![fast], 0));
         }
         // A multiplier so large that only risk matters (ties among the least-risk
         // selections broken by time when that risk is zero).
@@ -503,11 +514,11 @@ impl Solver {
         let safe = self.solve_at(problem, big)?;
         let mut out = vec![fast.clone(), safe.clone()];
         let mut stack = vec![(fast, safe)];
-        let mut solves = 2;
+        let mut solves = 1;
         while let Some((a, b)) = stack.pop() {
             // a: more risk, less time; b: less risk, more time.
             let dr = a.risk - b.risk;
-            if dr <= 1e-12 * a.risk || solves >= 64 {
+            if dr <= 1e-12 * a.risk || solves >= 63 {
                 continue;
             }
             let mu = (b.seconds - a.seconds) / dr;
@@ -589,7 +600,7 @@ impl Solver {
         }
         let mut frontiers: Vec<Vec<Vec<Pick>>> = Vec::with_capacity(reps.len());
         for &r in &reps {
-            let (f, n) = self.frontier(&problems[r])?;
+            let (f, n) = self.frontier_from(&problems[r], fastest[r].clone())?;
             solves += n;
             frontiers.push(f.into_iter().map(|s| s.picks).collect());
         }

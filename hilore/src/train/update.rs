@@ -296,7 +296,7 @@ fn epoch_grads(
     s: &UpdateSettings,
     mem: &mut EpochMemory,
     rep: &mut UpdateReport,
-) -> anyhow::Result<Grads> {
+) -> anyhow::Result<EpochGrads> {
     let cfg = s.grpo;
     let mut grads = Grads::new();
     // HiLoRe: with the coefficients known before the forward, plan the whole step.
@@ -421,23 +421,20 @@ fn epoch_grads(
         rep.peak_activation_bytes = rep.peak_activation_bytes.max(cx.memory().peak_bytes());
         rep.update_tokens += micro.batch.num_tokens();
     }
-    if let (Some(alloc), Some((micros, _))) = (&s.allocator, &planned) {
-        // The step's gradient norm refines the allocator's gradient-norm scale. The
-        // gradients are kept in a hash map whose order differs between processes, so the
-        // per-tensor sums are added in sorted order: the same bits in a resumed run.
-        let mut parts = Vec::with_capacity(grads.len());
-        for (_, g) in grads.iter() {
-            let g = g.to_dtype(candle_core::DType::F64)?;
-            parts.push(g.sqr()?.sum_all()?.to_scalar::<f64>()?);
-        }
-        parts.sort_by(f64::total_cmp);
-        let sq: f64 = parts.iter().sum();
-        let exposures: Vec<f64> = micros.iter().map(|(_, _, i)| i.exposure).collect();
-        alloc
-            .borrow_mut()
-            .observe_step_gradient(sq.sqrt(), &exposures);
-    }
-    Ok(grads)
+    let planned_exposures = planned
+        .as_ref()
+        .map(|(micros, _)| micros.iter().map(|(_, _, i)| i.exposure).collect());
+    Ok(EpochGrads {
+        grads,
+        planned_exposures,
+    })
+}
+
+/// One epoch's accumulated gradients, and the microbatches' exposures when the allocator
+/// planned the step.
+struct EpochGrads {
+    grads: Grads,
+    planned_exposures: Option<Vec<f64>>,
 }
 
 /// `mu` epochs over the rollout's sequences, one optimizer step per epoch.
@@ -460,10 +457,17 @@ pub fn actor_update(
     };
     let t0 = Instant::now();
     for epoch in 0..s.grpo.epochs {
-        let grads = epoch_grads(
+        let e = epoch_grads(
             model, reference, r, advantages, &weights, &packs, epoch, s, &mut mem, &mut rep,
         )?;
-        rep.grad_norm = opt.step(model, &grads)?.grad_norm;
+        rep.grad_norm = opt.step(model, &e.grads)?.grad_norm;
+        if let (Some(alloc), Some(exposures)) = (&s.allocator, &e.planned_exposures) {
+            // The step's gradient norm (before clipping) refines the allocator's
+            // gradient-norm scale.
+            alloc
+                .borrow_mut()
+                .observe_step_gradient(rep.grad_norm, exposures);
+        }
     }
     rep.seconds = t0.elapsed().as_secs_f64() - rep.reference_seconds;
     Ok(rep)
@@ -519,14 +523,15 @@ mod tests {
         let adv = group_advantages(&rewards, 3, Default::default(), 1e-4).unwrap();
         assert_eq!(&adv[..3], &[0.0; 3]);
         let weights = aggregation_weights(&response_lens, Default::default());
+        let settings = |skip: bool| UpdateSettings {
+            grpo: GrpoConfig::default(),
+            token_budget: 64,
+            plan: hilore_models::plans::store_all(),
+            skip_zero_exposure: skip,
+            allocator: None,
+        };
         let grads = |skip: bool| {
-            let s = UpdateSettings {
-                grpo: GrpoConfig::default(),
-                token_budget: 64,
-                plan: hilore_models::plans::store_all(),
-                skip_zero_exposure: skip,
-                allocator: None,
-            };
+            let s = settings(skip);
             let mut rep = UpdateReport::default();
             let packs = select_and_pack(&r, &adv, &s, &mut rep).unwrap();
             let mut mem = EpochMemory {
@@ -537,7 +542,7 @@ mod tests {
                 &model, None, &r, &adv, &weights, &packs, 0, &s, &mut mem, &mut rep,
             )
             .unwrap();
-            (g, rep)
+            (g.grads, rep)
         };
         let (all, rep_all) = grads(false);
         let (kept, rep_kept) = grads(true);
@@ -552,13 +557,7 @@ mod tests {
         r2.seqs[5].truncate(3);
         r2.response_lens[5] = 0;
         r2.sampled_logp[5].clear();
-        let s = UpdateSettings {
-            grpo: GrpoConfig::default(),
-            token_budget: 64,
-            plan: hilore_models::plans::store_all(),
-            skip_zero_exposure: false,
-            allocator: None,
-        };
+        let s = settings(false);
         let mut rep = UpdateReport::default();
         let packs = select_and_pack(&r2, &adv, &s, &mut rep).unwrap();
         assert_eq!(rep.empty_sequences, 1);
