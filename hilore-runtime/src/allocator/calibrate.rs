@@ -10,8 +10,9 @@
 //!   pass with every instance of the unit compressed; the tape's encode / decode times
 //!   over the values encoded give the codec's rates, and the parameter-gradient error
 //!   against the exact (store-all) gradient, divided by the exposure and shared equally
-//!   among the unit's instances, gives `kappa` of each instance (so the summed risk of
-//!   that calibration plan equals its measured error).
+//!   in quadrature among the unit's `n` instances (divided by `sqrt(n)`), gives `kappa`
+//!   of each instance (so the risks of that calibration plan, added in quadrature, equal
+//!   its measured error).
 //! - Additivity: one pass per codec with every unit compressed; measured error over the
 //!   summed predictions (the largest over codecs) scales the risk budget
 //!   ([`super::RiskModel::additivity_ratio`]).
@@ -190,8 +191,11 @@ pub fn calibrate(
             kmb.exposure,
             idx.len(),
         ));
+        // The unit's instances were compressed together and their errors add in
+        // quadrature (see `risk`), so each carries err / sqrt(n): their risks' root sum
+        // of squares is then the measured error.
         let kappa = if kmb.exposure > 0.0 {
-            err / kmb.exposure / idx.len() as f64
+            err / kmb.exposure / (idx.len() as f64).sqrt()
         } else {
             0.0
         };
@@ -260,9 +264,10 @@ pub fn calibrate(
 
 /// The shape and exposure of a microbatch from its packing offsets and coefficients.
 pub fn microbatch_input(packing: &crate::Packing, coefficients: &[f32]) -> MicrobatchInput {
-    let exposure = super::risk::sequence_exposure(coefficients, packing.offsets())
-        .iter()
-        .sum();
+    let exposure = crate::grpo::microbatch_exposure(
+        &super::risk::sequence_exposure(coefficients, packing.offsets()),
+        &(0..packing.offsets().len().saturating_sub(1)).collect::<Vec<_>>(),
+    );
     MicrobatchInput {
         shape: MicrobatchShape::of(packing),
         exposure,

@@ -12,7 +12,8 @@
 //!   never gets Recompute);
 //! - time of a choice: measured recompute time of the instance, or encode + decode time
 //!   of its activation values; Store costs nothing;
-//! - risk: `kappa * exposure` for Compress, 0 for the exact fidelities;
+//! - risk: `kappa * exposure` for Compress (exposure: the L2 norm of the rows'
+//!   `dL/dlogp`), 0 for the exact fidelities;
 //! - bytes: what the choice changes in the bytes kept after the forward, measured exactly
 //!   by simulating the profile with that one choice changed from a reference plan
 //!   (every group recomputed), once per allocator.
@@ -39,7 +40,7 @@ use std::time::Instant;
 pub struct MicrobatchInput {
     /// Its shape (costs depend on it).
     pub shape: MicrobatchShape,
-    /// Its exposure: `sum |dL/dlogp|` over its rows.
+    /// Its exposure: `sqrt(sum (dL/dlogp)^2)` over its rows ([`crate::grpo`]).
     pub exposure: f64,
 }
 

@@ -6,10 +6,14 @@
 //! starts from the per-token coefficients `c = dL/dlogp`. So the error of compressing
 //! unit instance `u` with codec `k` on microbatch `m` is modelled as
 //!
-//! `r(u, k, m) = kappa(u, k) * exposure(u, m)`, `exposure(u, m) = sum over u's rows of |c|`
+//! `r(u, k, m) = kappa(u, k) * exposure(u, m)`,
+//! `exposure(u, m) = sqrt(sum over u's rows of c^2)`
 //!
-//! (a row weighted by its sequence's exposure per row; every unit of the decoder sees
-//! every row of the microbatch, so `exposure(u, m)` is the microbatch's exposure). `kappa`
+//! (a row weighted by its sequence's squared exposure per row; every unit of the decoder
+//! sees every row of the microbatch, so `exposure(u, m)` is the microbatch's exposure).
+//! The rows' shares of the error are independent rounding noise scaled by their
+//! coefficients, so they add in quadrature like everything below ([`crate::grpo`]'s
+//! exposure docs give the measurement that chose this over `sum |c|`). `kappa`
 //! is calibrated by measurement: the L2 norm of the parameter-gradient error when only
 //! that unit is compressed, divided by the calibration microbatch's exposure (and by the
 //! unit's number of calls when they were compressed together).
@@ -122,23 +126,16 @@ pub fn step_gamma(step_grad_norm: f64, exposures: &[f64]) -> Option<f64> {
     (e > 0.0 && step_grad_norm.is_finite()).then(|| step_grad_norm / e)
 }
 
-/// Exposure of every sequence: `sum |c|` over its rows (`offsets` as in
-/// [`crate::Packing::offsets`]).
+/// Exposure of every sequence: `sqrt(sum c^2)` over its rows (`offsets` as in
+/// [`crate::Packing::offsets`]); [`crate::grpo::exposure_per_sequence`].
 pub fn sequence_exposure(coefficients: &[f32], offsets: &[usize]) -> Vec<f64> {
-    offsets
-        .windows(2)
-        .map(|w| {
-            coefficients[w[0]..w[1]]
-                .iter()
-                .map(|c| c.abs() as f64)
-                .sum()
-        })
-        .collect()
+    crate::grpo::exposure_per_sequence(coefficients, offsets)
 }
 
 /// Exposure of a unit instance that reads the given rows: every row weighted by its
-/// sequence's exposure per row (`sequence exposure / sequence length`). For a unit that
-/// reads every row this is the sum of the sequences' exposures.
+/// sequence's squared exposure per row (`sequence exposure^2 / sequence length`), the
+/// root of the sum. For a unit that reads every row this is the sequences' exposures
+/// added in quadrature.
 pub fn instance_exposure(
     sequence_exposure: &[f64],
     offsets: &[usize],
@@ -148,9 +145,10 @@ pub fn instance_exposure(
         .map(|r| {
             let s = offsets.partition_point(|&o| o <= r) - 1;
             let len = (offsets[s + 1] - offsets[s]).max(1) as f64;
-            sequence_exposure[s] / len
+            sequence_exposure[s] * sequence_exposure[s] / len
         })
-        .sum()
+        .sum::<f64>()
+        .sqrt()
 }
 
 /// Relative L2 error and cosine of `got` against `want` (flattened gradients).
@@ -185,12 +183,17 @@ mod tests {
         let c = [1.0f32, -1.0, 0.0, 0.0, 0.5, 0.5, 0.5];
         let off = [0, 2, 4, 7];
         let e = sequence_exposure(&c, &off);
-        assert_eq!(e, vec![2.0, 0.0, 1.5]);
+        // sqrt(1 + 1), 0, sqrt(3 * 0.25): exact in f64 up to the roots' rounding.
+        assert!((e[0] - 2f64.sqrt()).abs() < 1e-15);
+        assert_eq!(e[1], 0.0);
+        assert!((e[2] - 0.75f64.sqrt()).abs() < 1e-15);
+        // Every row: sqrt(2 + 0.75), the root of the summed squares.
         let all = instance_exposure(&e, &off, 0..7);
-        assert!((all - 3.5).abs() < 1e-12);
+        assert!((all - 2.75f64.sqrt()).abs() < 1e-12);
         // Rows of the zero-exposure sequence carry nothing.
         assert_eq!(instance_exposure(&e, &off, 2..4), 0.0);
-        assert!((instance_exposure(&e, &off, [0, 4]) - (1.0 + 0.5)).abs() < 1e-12);
+        // One row of each: sqrt(2 / 2 + 0.75 / 3) = sqrt(1.25).
+        assert!((instance_exposure(&e, &off, [0, 4]) - 1.25f64.sqrt()).abs() < 1e-12);
     }
 
     #[test]
