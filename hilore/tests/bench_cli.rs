@@ -72,8 +72,17 @@ fn bench_json_and_plots() {
         "compress-all (fp8)",
         "adacc-style",
         "hilore",
+        "hilore (exposure-blind)",
     ] {
         assert!(names.contains(&want), "{want} missing from {names:?}");
+    }
+    // HiLoRe is compared with baselines only, never with itself or its ablation.
+    for key in [
+        "fastest_in_budget_baseline",
+        "fastest_in_budget_baseline_by_cpu",
+    ] {
+        let b = v["acceptance"][key].as_str().unwrap();
+        assert!(!b.starts_with("hilore"), "{key} is {b}");
     }
     for p in policies
         .iter()

@@ -63,7 +63,7 @@ pub struct BenchArgs {
     #[arg(
         long,
         value_delimiter = ',',
-        default_value = "bf16,fp8-e4m3-b32,int4-g32"
+        default_value = "bf16,fp8-e4m3-b32,int8-b32,int4-g32"
     )]
     codecs: Vec<String>,
     /// Budget factors to sweep (e.g. `1.0,1.05,1.1,1.25,1.5,2`): a Pareto chart of
@@ -98,10 +98,13 @@ enum Kind {
     CompressAll,
     AdaccStyle,
     Hilore,
+    /// HiLoRe's planner with every microbatch at the step's mean exposure: an ablation
+    /// (not a baseline) that separates what exposure buys from what the solver buys.
+    HiloreBlind,
 }
 
 impl Kind {
-    const ALL: [Kind; 7] = [
+    const ALL: [Kind; 8] = [
         Kind::StoreAll,
         Kind::Gc,
         Kind::Selective,
@@ -109,6 +112,7 @@ impl Kind {
         Kind::CompressAll,
         Kind::AdaccStyle,
         Kind::Hilore,
+        Kind::HiloreBlind,
     ];
 
     fn name(self) -> &'static str {
@@ -120,14 +124,28 @@ impl Kind {
             Kind::CompressAll => "compress-all (fp8)",
             Kind::AdaccStyle => "adacc-style",
             Kind::Hilore => "hilore",
+            Kind::HiloreBlind => "hilore (exposure-blind)",
         }
     }
 
     fn budgeted(self) -> bool {
         matches!(
             self,
-            Kind::Selective | Kind::BudgetedRecompute | Kind::AdaccStyle | Kind::Hilore
+            Kind::Selective
+                | Kind::BudgetedRecompute
+                | Kind::AdaccStyle
+                | Kind::Hilore
+                | Kind::HiloreBlind
         )
+    }
+
+    /// The policies HiLoRe is compared with (not HiLoRe, not its ablation).
+    fn baseline(self) -> bool {
+        !matches!(self, Kind::Hilore | Kind::HiloreBlind)
+    }
+
+    fn of_name(name: &str) -> Option<Kind> {
+        Kind::ALL.into_iter().find(|k| k.name() == name)
     }
 }
 
@@ -136,6 +154,9 @@ struct Planned {
     plans: Vec<Plan>,
     predicted_activation: Vec<usize>,
     predicted_risk: Vec<Option<f64>>,
+    /// The cost model's recompute + encode + decode seconds of the step (knapsack
+    /// policies only).
+    predicted_overhead_seconds: Option<f64>,
     solve_seconds: f64,
     note: String,
 }
@@ -154,6 +175,7 @@ impl Ctx<'_> {
             plans: vec![plan; self.mbs.len()],
             predicted_activation: vec![p; self.mbs.len()],
             predicted_risk: vec![None; self.mbs.len()],
+            predicted_overhead_seconds: None,
             solve_seconds: 0.0,
             note: String::new(),
         })
@@ -210,24 +232,29 @@ impl Ctx<'_> {
                     .collect::<hilore_runtime::Result<Vec<_>>>()?
             }
             Kind::Hilore => a.plan_step(&inputs, total_budget, risk_budget, &full, None)?,
+            Kind::HiloreBlind => {
+                let mean = step_exposure / inputs.len() as f64;
+                a.plan_step(&inputs, total_budget, risk_budget, &full, Some(mean))?
+            }
         };
         let secs = t0.elapsed().as_secs_f64();
-        let note = decisions
+        // Instances per fidelity over the whole step (every microbatch's plan).
+        let mut per_step: std::collections::BTreeMap<&str, usize> = Default::default();
+        for (f, n) in decisions.iter().flat_map(|d| &d.counts) {
+            *per_step.entry(f.as_str()).or_default() += n;
+        }
+        let note = per_step
             .iter()
-            .map(|d| {
-                d.counts
-                    .iter()
-                    .map(|(f, n)| format!("{n} {f}"))
-                    .collect::<Vec<_>>()
-                    .join(", ")
-            })
-            .next()
-            .unwrap_or_default();
-        // The risk each plan carries on its real microbatch: the Adacc-style policy
-        // planned with the mean exposure; risk is linear in exposure.
+            .map(|(f, n)| format!("{n} {f}"))
+            .collect::<Vec<_>>()
+            .join(", ");
+        // The risk each plan carries on its real microbatch: the exposure-blind
+        // policies planned with the mean exposure; risk is linear in exposure.
         let mean = step_exposure / inputs.len() as f64;
         let real_risk = |d: &hilore_runtime::allocator::Decision, mb: &MicrobatchInput| match kind {
-            Kind::AdaccStyle if mean > 0.0 => d.predicted_risk * mb.exposure / mean,
+            Kind::AdaccStyle | Kind::HiloreBlind if mean > 0.0 => {
+                d.predicted_risk * mb.exposure / mean
+            }
             _ => d.predicted_risk,
         };
         Ok(Planned {
@@ -238,6 +265,7 @@ impl Ctx<'_> {
                 .zip(&inputs)
                 .map(|(d, mb)| (kind != Kind::BudgetedRecompute).then(|| real_risk(d, mb)))
                 .collect(),
+            predicted_overhead_seconds: Some(decisions.iter().map(|d| d.predicted_seconds).sum()),
             solve_seconds: secs,
             note,
         })
@@ -371,6 +399,7 @@ struct RiskValidation {
 #[derive(Serialize, Clone)]
 struct PolicyRow {
     policy: String,
+    /// The plan: its name, or unit instances per fidelity over the step's microbatches.
     plan: String,
     budget_factor: Option<f64>,
     tokens_per_s: f64,
@@ -400,6 +429,9 @@ struct PolicyRow {
     solve_seconds: f64,
     solve_fraction_of_step: f64,
     time_split_seconds: TimeSplit,
+    /// The cost model's recompute + encode + decode seconds of the step, to set against
+    /// the measured ones in `time_split_seconds` (knapsack policies only).
+    predicted_overhead_seconds: Option<f64>,
     /// Measured gradient error norm per microbatch and the predicted risk.
     microbatch_errors: Vec<(f64, Option<f64>)>,
     /// Measured error norm of the step gradient (sum over microbatches).
@@ -571,6 +603,7 @@ fn measure(
                 decode: pick(|s| s.decode),
                 solve: planned.solve_seconds,
             },
+            predicted_overhead_seconds: planned.predicted_overhead_seconds,
             microbatch_errors: mb_err,
             step_error: step_err,
         });
@@ -994,7 +1027,11 @@ pub fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
     if !args.risk_targets.is_empty() {
         let mut planned = plan_all(budget_bytes, args.target_rel_l2, &[Kind::Gc])?;
         for &t in &args.risk_targets {
-            for mut p in plan_all(budget_bytes, t, &[Kind::AdaccStyle, Kind::Hilore])? {
+            for mut p in plan_all(
+                budget_bytes,
+                t,
+                &[Kind::AdaccStyle, Kind::Hilore, Kind::HiloreBlind],
+            )? {
                 p.1.note = format!("target {t:e}: {}", p.1.note);
                 planned.push(p);
             }
@@ -1051,13 +1088,10 @@ pub fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
     if let Some(h) = hil {
         acc.hilore_ratio_to_gc = h.ratio_to_gc;
         acc.hilore_grad_cosine = h.grad_cosine;
+        let is_baseline = |r: &&PolicyRow| Kind::of_name(&r.policy).is_some_and(Kind::baseline);
         let best = rows
             .iter()
-            .filter(|r| {
-                r.policy != h.policy && r.policy != Kind::StoreAll.name()
-                    || r.policy == Kind::StoreAll.name()
-            })
-            .filter(|r| r.policy != h.policy)
+            .filter(is_baseline)
             .filter(|r| r.peak_total_bytes <= budget_bytes)
             .max_by(|a, b| a.tokens_per_s.total_cmp(&b.tokens_per_s));
         if let Some(b) = best {
@@ -1067,7 +1101,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
         acc.hilore_cpu_ratio_to_gc = h.cpu_ratio_to_gc;
         let best = rows
             .iter()
-            .filter(|r| r.policy != h.policy)
+            .filter(is_baseline)
             .filter(|r| r.peak_total_bytes <= budget_bytes)
             .max_by(|a, b| a.tokens_per_cpu_s.total_cmp(&b.tokens_per_cpu_s));
         if let Some(b) = best {
@@ -1201,9 +1235,18 @@ fn print_report(r: &Report) {
             )
         );
     }
+    println!("plans (unit instances per step, every microbatch; overhead = recompute + encode + decode s, predicted by the cost model / measured):");
     for p in &r.policies {
         if !p.plan.is_empty() {
-            println!("  {}: {}", p.policy, p.plan);
+            let t = &p.time_split_seconds;
+            let overhead = match p.predicted_overhead_seconds {
+                Some(o) => format!(
+                    " [overhead {o:.2} / {:.2} s]",
+                    t.recompute + t.encode + t.decode
+                ),
+                None => String::new(),
+            };
+            println!("  {}: {}{overhead}", p.policy, p.plan);
         }
     }
     let a = &r.acceptance;
@@ -1327,7 +1370,7 @@ fn write_plots(
     // Predicted vs measured risk.
     let mut c = Chart::new(
         "gradient error: predicted risk vs measured (per microbatch)",
-        "predicted risk (sum of kappa x exposure)",
+        "predicted risk (kappa x exposure, in quadrature)",
         "measured ||g - g_exact||",
     );
     let mut names: Vec<&str> = r.additivity.points.iter().map(|p| p.0.as_str()).collect();
@@ -1344,7 +1387,11 @@ fn write_plots(
                 .collect(),
         ));
     }
-    for n in [Kind::Hilore.name(), Kind::AdaccStyle.name()] {
+    for n in [
+        Kind::Hilore.name(),
+        Kind::HiloreBlind.name(),
+        Kind::AdaccStyle.name(),
+    ] {
         c.series.push(Series::scatter(
             format!("step: {n}"),
             r.additivity
@@ -1397,7 +1444,11 @@ fn write_plots(
             "measured relative L2 error of the step gradient",
             "throughput / GC's (CPU time, same phase)",
         );
-        for n in [Kind::Hilore.name(), Kind::AdaccStyle.name()] {
+        for n in [
+            Kind::Hilore.name(),
+            Kind::HiloreBlind.name(),
+            Kind::AdaccStyle.name(),
+        ] {
             let mut pts: Vec<(f64, f64)> = r
                 .risk_sweep
                 .iter()

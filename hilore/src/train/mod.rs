@@ -712,7 +712,7 @@ struct Run {
 }
 
 /// The codecs `--policy hilore` offers.
-const HILORE_CODECS: [&str; 3] = ["bf16", "fp8-e4m3-b32", "int4-g32"];
+const HILORE_CODECS: [&str; 4] = ["bf16", "fp8-e4m3-b32", "int8-b32", "int4-g32"];
 
 /// `--policy hilore`'s allocator for a model of `num_params` parameters (`None` for the
 /// other policies).
