@@ -246,3 +246,59 @@ fn zero_exposure_gets_the_cheapest_feasible_fidelity() {
     );
     let _ = DType::F32;
 }
+
+/// Where a selective-recompute-shaped plan (the last `k` blocks kept with some of their
+/// children recomputed, the others recomputed whole) fits the budget exactly, the
+/// allocator finds a plan at least as fast in its own cost model, and that plan fits.
+/// The budgets are those plans' own exact peaks, the tightest case: the additive byte
+/// model may overstate them, and then only the exact check sees that they fit.
+#[test]
+fn never_slower_than_a_selective_plan_that_fits() {
+    let m = model(&Device::Cpu);
+    let a = allocator(&m);
+    let exact = Offer {
+        codecs: Vec::new(),
+        recompute: true,
+        open_groups: true,
+    };
+    let mb = MicrobatchInput {
+        shape: shape(),
+        exposure: 1.0,
+    };
+    // The costs `allocator` observed at this shape.
+    let secs = |unit: &str| match unit {
+        "block" => 2e-3,
+        "up" => 1.4e-3,
+        "down" => 0.6e-3,
+        _ => unreachable!(),
+    };
+    let subsets: [&[&str]; 4] = [&[], &["up"], &["down"], &["up", "down"]];
+    for k in 1..=3 {
+        for sub in subsets {
+            let mut plan = Plan::store_all();
+            let mut t = 0.0;
+            for l in 0..3 {
+                if l < 3 - k {
+                    plan.set_instance("block", l, Fidelity::Recompute);
+                    t += secs("block");
+                } else {
+                    for &u in sub {
+                        plan.set_instance(u, l, Fidelity::Recompute);
+                        t += secs(u);
+                    }
+                }
+            }
+            let budget = STATE.total() + measured_peak(&m, &plan);
+            let d = a.plan(&mb, budget, f64::INFINITY, &exact).unwrap();
+            // Sums of at most six f64 costs on both sides: 1e-9 relative covers their
+            // rounding and the cost fit's at the observed shape.
+            assert!(
+                d.predicted_seconds <= t * (1.0 + 1e-9),
+                "k {k}, {sub:?}: planned {} s, the selective plan {t} s",
+                d.predicted_seconds
+            );
+            assert!(d.predicted_total_bytes <= budget);
+            assert_eq!(measured_peak(&m, &d.plan), d.predicted_peak_bytes);
+        }
+    }
+}

@@ -23,6 +23,17 @@
 //! returns is checked with [`Profile::simulate`], which gives the exact ledger peak, and
 //! the DP's capacity is searched (bisection on the capacity, largest one whose plan's
 //! exact peak fits). The predicted peak is therefore the simulated one: byte-exact.
+//!
+//! Where the additive model overstates a plan's peak, the DP cannot see that the plan
+//! fits: at a budget of full recompute's own peak, Megatron-style selective recompute (one
+//! layer kept, its cheap units recomputed) fits in a few KiB of slack the additive sum
+//! does not have. So the planner also weighs a small family of exact plans of that shape
+//! ([`Allocator::selective_candidates`]: the last `k` groups with children opened, each
+//! recomputing its `j` children cheapest to recompute per saved byte and storing the
+//! rest, the other groups recomputed whole), checked with the simulator, and takes one
+//! for a microbatch when it fits and is faster than the DP's fastest plan at the capacity
+//! found. Such a plan carries no risk, so it is never worse than the DP's under the risk
+//! budget either.
 
 use super::budget::StateBytes;
 use super::costs::{CostModel, MicrobatchShape};
@@ -498,6 +509,69 @@ impl Allocator {
         vec![gc, deep, self.reference.clone()]
     }
 
+    /// Exact plans shaped like Megatron-style selective recompute (see the module docs):
+    /// for `k` in `1..=G` (`G` groups with children that may be recomputed), the last `k`
+    /// opened and each recomputing its `j` children (for `j` in `0..=n`) that are
+    /// cheapest to recompute per byte they save at `shape`, the other groups recomputed
+    /// whole. Empty when the offer allows no recompute or no opened groups.
+    pub fn selective_candidates(
+        &self,
+        offer: &Offer,
+        shape: MicrobatchShape,
+    ) -> Vec<HashMap<usize, Fidelity>> {
+        if !offer.recompute || !offer.open_groups {
+            return Vec::new();
+        }
+        let groups: Vec<&Layout> = self
+            .layout
+            .iter()
+            .filter(|l| !l.children.is_empty() && self.descs[l.top].offers(Fidelity::Recompute))
+            .collect();
+        let ranked: Vec<Vec<usize>> = groups
+            .iter()
+            .map(|l| {
+                let mut ch: Vec<(f64, usize)> = l
+                    .children
+                    .iter()
+                    .filter(|&&c| self.descs[c].offers(Fidelity::Recompute))
+                    .filter_map(|&c| {
+                        let secs = self.seconds(c, Fidelity::Recompute, shape)?;
+                        Some((secs / self.instances[c].own_saved_bytes.max(1) as f64, c))
+                    })
+                    .collect();
+                ch.sort_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)));
+                ch.into_iter().map(|(_, c)| c).collect()
+            })
+            .collect();
+        let mut out = Vec::new();
+        for k in 1..=groups.len() {
+            let split = groups.len() - k;
+            let n = ranked[split..].iter().map(Vec::len).max().unwrap_or(0);
+            for j in 0..=n {
+                let mut a = HashMap::new();
+                for l in &groups[..split] {
+                    a.insert(l.top, Fidelity::Recompute);
+                }
+                for r in &ranked[split..] {
+                    for &c in r.iter().take(j) {
+                        a.insert(c, Fidelity::Recompute);
+                    }
+                }
+                out.push(a);
+            }
+        }
+        out
+    }
+
+    /// Predicted seconds of an exact plan (`assign`: instance -> fidelity, Store where
+    /// absent) on a microbatch of `shape`.
+    fn assignment_seconds(&self, assign: &HashMap<usize, Fidelity>, shape: MicrobatchShape) -> f64 {
+        assign
+            .iter()
+            .map(|(&i, &f)| self.seconds(i, f, shape).unwrap_or(f64::INFINITY))
+            .sum()
+    }
+
     /// A knapsack with one choice per group: exactly `assign`.
     fn fixed_problem(
         &self,
@@ -643,6 +717,13 @@ impl Allocator {
         let hi0 = avail - self.reference_eof;
         let mut last_cap: Option<i64> = None;
         let mut problems = Vec::with_capacity(mbs.len());
+        // Selective-recompute-shaped exact plans and whether each fits (byte figures do
+        // not depend on the microbatch, so each is simulated at most once per step).
+        let selective = mbs
+            .first()
+            .map(|mb| self.selective_candidates(offer, mb.shape))
+            .unwrap_or_default();
+        let mut selective_fits: Vec<Option<bool>> = vec![None; selective.len()];
         for mb in mbs {
             let e = assumed_exposure.unwrap_or(mb.exposure);
             let mut p = self.problem(mb, e, offer, hi0, f64::INFINITY)?;
@@ -709,6 +790,43 @@ impl Allocator {
             };
             last_cap = Some(cap);
             p.capacity = cap;
+            // An exact selective-shaped plan faster than the DP's fastest at this capacity
+            // (its additive bytes may exceed the capacity while its exact peak fits).
+            if !selective.is_empty() {
+                let dp = self
+                    .solver
+                    .solve(&p)
+                    .map_err(|e| Error::Tape(e.to_string()))?;
+                checks += 1;
+                let mut faster: Vec<(f64, usize)> = selective
+                    .iter()
+                    .enumerate()
+                    .map(|(i, a)| (self.assignment_seconds(a, mb.shape), i))
+                    .filter(|(t, _)| *t < dp.seconds)
+                    .collect();
+                faster.sort_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)));
+                let mut taken = None;
+                for (_, i) in faster {
+                    let fits = match selective_fits[i] {
+                        Some(f) => f,
+                        None => {
+                            checks += 1;
+                            let plan = self.plan_of("selective", &selective[i]);
+                            let f = self.simulate_peak(&plan)? as i64 <= avail;
+                            selective_fits[i] = Some(f);
+                            f
+                        }
+                    };
+                    if fits {
+                        taken = Some(i);
+                        break;
+                    }
+                }
+                if let Some(i) = taken {
+                    problems.push(self.fixed_problem(mb, e, &selective[i])?);
+                    continue;
+                }
+            }
             problems.push(p);
         }
         // 2. Risks add in quadrature (errors of different units and microbatches are
