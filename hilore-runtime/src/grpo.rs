@@ -507,11 +507,7 @@ impl Coefficients {
     /// Exposure of all these sequences together (a microbatch's): the L2 norm of every
     /// coefficient.
     pub fn exposure(&self) -> f64 {
-        self.per_token
-            .iter()
-            .map(|&c| c as f64 * c as f64)
-            .sum::<f64>()
-            .sqrt()
+        exposure(&self.per_token)
     }
 }
 
@@ -583,6 +579,16 @@ pub fn loss(cfg: &GrpoConfig, seqs: Sequences<'_>, lp: TokenLogprobs<'_>) -> Res
     Ok(sum)
 }
 
+/// Exposure of a set of rows, `sqrt(sum c^2)`: of a sequence, or of a microbatch from all
+/// its rows' coefficients (padding rows carry 0).
+pub fn exposure(per_token: &[f32]) -> f64 {
+    per_token
+        .iter()
+        .map(|&c| c as f64 * c as f64)
+        .sum::<f64>()
+        .sqrt()
+}
+
 /// Exposure of each sequence, `sqrt(sum_t c_it^2)`, from per-token coefficients laid out
 /// by `offsets` (`offsets[i]..offsets[i + 1]` are sequence `i`'s tokens).
 ///
@@ -593,13 +599,7 @@ pub fn loss(cfg: &GrpoConfig, seqs: Sequences<'_>, lp: TokenLogprobs<'_>) -> Res
 pub fn exposure_per_sequence(per_token: &[f32], offsets: &[usize]) -> Vec<f64> {
     offsets
         .windows(2)
-        .map(|w| {
-            per_token[w[0]..w[1]]
-                .iter()
-                .map(|&c| c as f64 * c as f64)
-                .sum::<f64>()
-                .sqrt()
-        })
+        .map(|w| exposure(&per_token[w[0]..w[1]]))
         .collect()
 }
 

@@ -264,10 +264,7 @@ pub fn calibrate(
 
 /// The shape and exposure of a microbatch from its packing offsets and coefficients.
 pub fn microbatch_input(packing: &crate::Packing, coefficients: &[f32]) -> MicrobatchInput {
-    let exposure = crate::grpo::microbatch_exposure(
-        &super::risk::sequence_exposure(coefficients, packing.offsets()),
-        &(0..packing.offsets().len().saturating_sub(1)).collect::<Vec<_>>(),
-    );
+    let exposure = crate::grpo::exposure(coefficients);
     MicrobatchInput {
         shape: MicrobatchShape::of(packing),
         exposure,

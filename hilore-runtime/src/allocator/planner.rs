@@ -744,17 +744,22 @@ impl Allocator {
             };
             // Microbatches of one size share their byte figures, so the capacity found
             // for the previous one is tried before bisecting again.
-            let cap = if fits(&p, &mut checks)?.is_some() {
+            // The DP's fastest selection at the capacity chosen (kept for the selective
+            // candidates below).
+            let mut at_cap: Option<Selection> = fits(&p, &mut checks)?;
+            let cap = if at_cap.is_some() {
                 hi0
             } else if let Some(c) = last_cap.filter(|&c| {
                 p.capacity = c;
-                matches!(fits(&p, &mut checks), Ok(Some(_)))
+                at_cap = fits(&p, &mut checks).ok().flatten();
+                at_cap.is_some()
             }) {
                 c
             } else {
                 let (mut lo, mut hi) = (min, hi0);
                 p.capacity = lo;
-                if fits(&p, &mut checks)?.is_none() {
+                at_cap = fits(&p, &mut checks)?;
+                if at_cap.is_none() {
                     // The additive model's least-bytes selection does not fit (exact
                     // peaks are not monotone in it: recomputing the last units saves
                     // bytes but not peak). Fall back to the first exact plan that fits
@@ -780,8 +785,9 @@ impl Allocator {
                 while hi - lo > ((hi0 - min) / 512).max(1) {
                     let mid = lo + (hi - lo) / 2;
                     p.capacity = mid;
-                    if fits(&p, &mut checks)?.is_some() {
+                    if let Some(s) = fits(&p, &mut checks)? {
                         lo = mid;
+                        at_cap = Some(s);
                     } else {
                         hi = mid;
                     }
@@ -792,12 +798,7 @@ impl Allocator {
             p.capacity = cap;
             // An exact selective-shaped plan faster than the DP's fastest at this capacity
             // (its additive bytes may exceed the capacity while its exact peak fits).
-            if !selective.is_empty() {
-                let dp = self
-                    .solver
-                    .solve(&p)
-                    .map_err(|e| Error::Tape(e.to_string()))?;
-                checks += 1;
+            if let Some(dp) = at_cap.filter(|_| !selective.is_empty()) {
                 let mut faster: Vec<(f64, usize)> = selective
                     .iter()
                     .enumerate()
