@@ -185,6 +185,8 @@ impl Ctx<'_> {
         let a = self.alloc;
         let inputs: Vec<_> = self.mbs.iter().map(|m| m.input).collect();
         let step_exposure: f64 = inputs.iter().map(|m| m.exposure).sum();
+        // The exposure-blind policies plan every microbatch at the step's mean exposure.
+        let mean = step_exposure / inputs.len() as f64;
         let exposures: Vec<f64> = inputs.iter().map(|m| m.exposure).collect();
         let risk_budget = a
             .risk
@@ -220,7 +222,6 @@ impl Ctx<'_> {
                 .map(|mb| baselines::budgeted_recompute(a, mb, total_budget))
                 .collect::<hilore_runtime::Result<Vec<_>>>()?,
             Kind::AdaccStyle => {
-                let mean = step_exposure / inputs.len() as f64;
                 // Equal shares whose squares add up to the step's budget (microbatch
                 // risks add in quadrature), each planned at the mean exposure.
                 let share = risk_budget / (inputs.len() as f64).sqrt();
@@ -233,7 +234,6 @@ impl Ctx<'_> {
             }
             Kind::Hilore => a.plan_step(&inputs, total_budget, risk_budget, &full, None)?,
             Kind::HiloreBlind => {
-                let mean = step_exposure / inputs.len() as f64;
                 a.plan_step(&inputs, total_budget, risk_budget, &full, Some(mean))?
             }
         };
@@ -250,7 +250,6 @@ impl Ctx<'_> {
             .join(", ");
         // The risk each plan carries on its real microbatch: the exposure-blind
         // policies planned with the mean exposure; risk is linear in exposure.
-        let mean = step_exposure / inputs.len() as f64;
         let real_risk = |d: &hilore_runtime::allocator::Decision, mb: &MicrobatchInput| match kind {
             Kind::AdaccStyle | Kind::HiloreBlind if mean > 0.0 => {
                 d.predicted_risk * mb.exposure / mean
