@@ -80,6 +80,8 @@ fn bench_json_and_plots() {
     for key in [
         "fastest_in_budget_baseline",
         "fastest_in_budget_baseline_by_cpu",
+        "fastest_on_target_baseline",
+        "fastest_on_target_baseline_by_cpu",
     ] {
         let b = v["acceptance"][key].as_str().unwrap();
         assert!(!b.starts_with("hilore"), "{key} is {b}");
@@ -118,6 +120,17 @@ fn bench_json_and_plots() {
                 p["policy"]
             );
         }
+    }
+    // The on-target comparison only names baselines whose measured error meets the
+    // target (the exact ones always do, so it is never empty).
+    let target = v["config"]["target_rel_l2"].as_f64().unwrap();
+    for key in [
+        "fastest_on_target_baseline",
+        "fastest_on_target_baseline_by_cpu",
+    ] {
+        let b = v["acceptance"][key].as_str().unwrap();
+        let p = policies.iter().find(|p| p["policy"] == b).unwrap();
+        assert!(p["grad_rel_l2"].as_f64().unwrap() <= target, "{key} is {b}");
     }
     // Exact policies reproduce the exact gradient bit for bit.
     for exact in ["store-all", "full-recompute (GC)", "budgeted-recompute"] {
