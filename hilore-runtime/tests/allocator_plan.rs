@@ -134,6 +134,22 @@ fn shape() -> MicrobatchShape {
     }
 }
 
+/// Store and Recompute only.
+fn exact_only() -> Offer {
+    Offer {
+        codecs: Vec::new(),
+        recompute: true,
+        open_groups: true,
+    }
+}
+
+fn unit_exposure() -> MicrobatchInput {
+    MicrobatchInput {
+        shape: shape(),
+        exposure: 1.0,
+    }
+}
+
 fn full() -> Offer {
     Offer {
         codecs: vec![CODEC],
@@ -256,15 +272,7 @@ fn zero_exposure_gets_the_cheapest_feasible_fidelity() {
 fn never_slower_than_a_selective_plan_that_fits() {
     let m = model(&Device::Cpu);
     let a = allocator(&m);
-    let exact = Offer {
-        codecs: Vec::new(),
-        recompute: true,
-        open_groups: true,
-    };
-    let mb = MicrobatchInput {
-        shape: shape(),
-        exposure: 1.0,
-    };
+    let (exact, mb) = (exact_only(), unit_exposure());
     // The costs `allocator` observed at this shape.
     let secs = |unit: &str| match unit {
         "block" => 2e-3,
@@ -312,15 +320,7 @@ fn never_slower_than_a_selective_plan_that_fits() {
 fn exact_plans_are_optimal_at_every_budget() {
     let m = model(&Device::Cpu);
     let a = allocator(&m);
-    let exact = Offer {
-        codecs: Vec::new(),
-        recompute: true,
-        open_groups: true,
-    };
-    let mb = MicrobatchInput {
-        shape: shape(),
-        exposure: 1.0,
-    };
+    let (exact, mb) = (exact_only(), unit_exposure());
     // Per block: 0 = recompute whole, 1..=4 = kept with children subset (up, down) bits.
     let mut plans = Vec::new();
     for code in 0..125usize {

@@ -992,27 +992,13 @@ impl Allocator {
             };
             if let Some((full, picks)) = seed.filter(|_| q == *p) {
                 // The fixed plan is still the one taken: search from it in the full problem.
-                let (secs, risk, bytes) = full.totals(&picks);
-                s = Selection {
-                    picks,
-                    seconds: secs,
-                    risk,
-                    bytes,
-                    lambda: s.lambda,
-                };
+                s = full.selection(picks, s.lambda);
                 q = full;
             }
             let refined = self.refine(&q, &s.picks, avail, risk_cap, &mut peaks, &mut checks)?;
             if let Some((picks, rpeak)) = refined {
-                let (secs, risk, bytes) = q.totals(&picks);
-                s = Selection {
-                    picks,
-                    seconds: secs,
-                    risk,
-                    bytes,
-                    lambda: s.lambda,
-                };
-                risks[k] = risk;
+                s = q.selection(picks, s.lambda);
+                risks[k] = s.risk;
                 plan = self.plan_of_selection("hilore", &q, &s.picks);
                 peak = rpeak;
             }

@@ -149,6 +149,18 @@ impl Problem {
         })
     }
 
+    /// The selection of `picks` with its totals (`lambda`: the multiplier behind it).
+    pub fn selection(&self, picks: Vec<Pick>, lambda: f64) -> Selection {
+        let (seconds, risk, bytes) = self.totals(&picks);
+        Selection {
+            picks,
+            seconds,
+            risk,
+            bytes,
+            lambda,
+        }
+    }
+
     /// Every fidelity a selection sets.
     pub fn fidelities(&self, picks: &[Pick]) -> Vec<(String, usize, Fidelity)> {
         self.chosen(picks)
