@@ -106,6 +106,16 @@ pub struct Decision {
     pub counts: Vec<(String, usize)>,
 }
 
+/// The summed (squared) risks of every microbatch but `k`.
+fn others_risk(risks: &[f64], k: usize) -> f64 {
+    risks
+        .iter()
+        .enumerate()
+        .filter(|(j, _)| *j != k)
+        .map(|(_, r)| r)
+        .sum()
+}
+
 /// New exact simulations one [`Allocator::refine`] call may run.
 const REFINE_SIMULATIONS: usize = 96;
 
@@ -958,13 +968,7 @@ impl Allocator {
                     peak = fpeak;
                     break;
                 }
-                let others: f64 = risks
-                    .iter()
-                    .enumerate()
-                    .filter(|(j, _)| *j != k)
-                    .map(|(_, r)| r)
-                    .sum();
-                q.risk_budget = (b2 - others).max(0.0);
+                q.risk_budget = (b2 - others_risk(&risks, k)).max(0.0);
                 s = self.solver.solve(&q).map_err(|e| {
                     Error::Tape(format!(
                         "no plan fits the memory budget of {total_budget} bytes within the risk budget: {e}"
@@ -980,13 +984,7 @@ impl Allocator {
             // unused. Take time-saving changes while the exact peak and the step's risk
             // budget allow.
             let risk_cap = if b2.is_finite() {
-                let others: f64 = risks
-                    .iter()
-                    .enumerate()
-                    .filter(|(j, _)| *j != k)
-                    .map(|(_, r)| r)
-                    .sum();
-                (b2 - others).max(risks[k])
+                (b2 - others_risk(&risks, k)).max(risks[k])
             } else {
                 f64::INFINITY
             };

@@ -310,15 +310,7 @@ impl Solver {
         }
         let at = |lambda: f64| -> Selection {
             let t = self.table(problem, lambda);
-            let picks = backtrack(problem, &t, t.units_cap);
-            let (seconds, risk, bytes) = problem.totals(&picks);
-            Selection {
-                picks,
-                seconds,
-                risk,
-                bytes,
-                lambda,
-            }
+            problem.selection(backtrack(problem, &t, t.units_cap), lambda)
         };
         let s0 = at(0.0);
         if s0.risk <= problem.risk_budget {

@@ -1109,22 +1109,23 @@ pub fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
         };
         let wall: fn(&PolicyRow) -> f64 = |r| r.tokens_per_s;
         let cpu: fn(&PolicyRow) -> f64 = |r| r.tokens_per_cpu_s;
-        if let Some((b, x)) = fastest(wall, false) {
-            acc.fastest_in_budget_baseline = b;
-            acc.hilore_ratio_to_fastest_in_budget_baseline = x;
-        }
-        if let Some((b, x)) = fastest(cpu, false) {
-            acc.fastest_in_budget_baseline_by_cpu = b;
-            acc.hilore_cpu_ratio_to_fastest_in_budget_baseline = x;
-        }
-        if let Some((b, x)) = fastest(wall, true) {
-            acc.fastest_on_target_baseline = b;
-            acc.hilore_ratio_to_fastest_on_target_baseline = x;
-        }
-        if let Some((b, x)) = fastest(cpu, true) {
-            acc.fastest_on_target_baseline_by_cpu = b;
-            acc.hilore_cpu_ratio_to_fastest_on_target_baseline = x;
-        }
+        // None (no baseline fits) leaves the defaults: no name, ratio 0.
+        (
+            acc.fastest_in_budget_baseline,
+            acc.hilore_ratio_to_fastest_in_budget_baseline,
+        ) = fastest(wall, false).unwrap_or_default();
+        (
+            acc.fastest_in_budget_baseline_by_cpu,
+            acc.hilore_cpu_ratio_to_fastest_in_budget_baseline,
+        ) = fastest(cpu, false).unwrap_or_default();
+        (
+            acc.fastest_on_target_baseline,
+            acc.hilore_ratio_to_fastest_on_target_baseline,
+        ) = fastest(wall, true).unwrap_or_default();
+        (
+            acc.fastest_on_target_baseline_by_cpu,
+            acc.hilore_cpu_ratio_to_fastest_on_target_baseline,
+        ) = fastest(cpu, true).unwrap_or_default();
     }
     let budgeted = || {
         rows.iter()
