@@ -42,8 +42,8 @@
 //! capacity bisection lands where the DP's plan fits, which on the bench decoder was at
 //! about half the capacity the additive model offers and left up to 1.3 MiB of the
 //! budget unused per microbatch; the search spends it (on that decoder HiLoRe's predicted
-//! recompute + codec time per step fell from 0.63 s to 0.36 s at the same budget and
-//! risk). It is bounded to 96 new simulations per microbatch, and simulated peaks are
+//! recompute + codec time per step fell from 0.63 s to 0.36-0.43 s over three runs at the
+//! same budget and risk target). It is bounded to 96 new simulations per microbatch, and simulated peaks are
 //! shared between the microbatches of a step, so it stays a small part of the solve time.
 
 use super::budget::StateBytes;
