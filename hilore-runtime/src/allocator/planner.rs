@@ -119,26 +119,6 @@ fn others_risk(risks: &[f64], k: usize) -> f64 {
 /// New exact simulations one [`Allocator::refine`] call may run.
 const REFINE_SIMULATIONS: usize = 96;
 
-/// Seconds and (squared) risk of one group's pick.
-fn pick_totals(g: &Group, pick: &Pick) -> (f64, f64) {
-    match pick {
-        Pick::Whole(i) => (g.whole[*i].seconds, g.whole[*i].risk),
-        Pick::Opened(ks) => {
-            let o = g
-                .opened
-                .as_ref()
-                .expect("opened pick of a group without parts");
-            o.parts
-                .iter()
-                .zip(ks)
-                .map(|(part, &k)| &part[k])
-                .fold((o.base.seconds, o.base.risk), |(s, r), c| {
-                    (s + c.seconds, r + c.risk)
-                })
-        }
-    }
-}
-
 /// Predicted recompute and codec seconds of a selection.
 fn split_seconds(p: &Problem, picks: &[Pick]) -> (f64, f64) {
     let (mut rc, mut codec) = (0.0, 0.0);
@@ -988,8 +968,8 @@ impl Allocator {
             } else {
                 f64::INFINITY
             };
-            if let Some((full, picks)) = seed.filter(|_| q == *p) {
-                // The fixed plan is still the one taken: search from it in the full problem.
+            if let Some((full, picks)) = seed.filter(|_| tries == 0) {
+                // The fixed plan fitted as it was: search from it in the full problem.
                 s = full.selection(picks, s.lambda);
                 q = full;
             }
@@ -1049,9 +1029,9 @@ impl Allocator {
             let (_, risk, _) = p.totals(&cur);
             let mut moves: Vec<(f64, usize, Pick)> = Vec::new();
             for (g, group) in p.groups.iter().enumerate() {
-                let (cs, cr) = pick_totals(group, &cur[g]);
+                let (cs, cr, _) = group.totals(&cur[g]);
                 let mut push = |pick: Pick| {
-                    let (s, r) = pick_totals(group, &pick);
+                    let (s, r, _) = group.totals(&pick);
                     if s < cs - 1e-12 && risk - cr + r <= risk_cap {
                         moves.push((s - cs, g, pick));
                     }
@@ -1183,14 +1163,9 @@ impl Allocator {
                 }
             };
             for (g, group) in p.groups.iter().enumerate() {
-                let one = Problem {
-                    groups: vec![group.clone()],
-                    capacity: 0,
-                    risk_budget: 0.0,
-                };
-                let cur = one.totals(std::slice::from_ref(&picks[g]));
+                let cur = group.totals(&picks[g]);
                 let mut try_pick = |pick: Pick| {
-                    let (s, r, b) = one.totals(std::slice::from_ref(&pick));
+                    let (s, r, b) = group.totals(&pick);
                     let saved = cur.2 - b;
                     if saved <= 0 || risk - cur.1 + r > risk_budget {
                         return;

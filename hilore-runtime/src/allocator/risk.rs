@@ -16,7 +16,7 @@
 //! exposure docs give the measurement that chose this over `sum |c|`). `kappa`
 //! is calibrated by measurement: the L2 norm of the parameter-gradient error when only
 //! that unit is compressed, divided by the calibration microbatch's exposure (and by the
-//! unit's number of calls when they were compressed together).
+//! square root of the unit's number of calls when they were compressed together).
 //!
 //! Risks add in quadrature. Compressing two units perturbs their activations with
 //! independent rounding noise, and two microbatches are different data, so their
@@ -126,12 +126,6 @@ pub fn step_gamma(step_grad_norm: f64, exposures: &[f64]) -> Option<f64> {
     (e > 0.0 && step_grad_norm.is_finite()).then(|| step_grad_norm / e)
 }
 
-/// Exposure of every sequence: `sqrt(sum c^2)` over its rows (`offsets` as in
-/// [`crate::Packing::offsets`]); [`crate::grpo::exposure_per_sequence`].
-pub fn sequence_exposure(coefficients: &[f32], offsets: &[usize]) -> Vec<f64> {
-    crate::grpo::exposure_per_sequence(coefficients, offsets)
-}
-
 /// Exposure of a unit instance that reads the given rows: every row weighted by its
 /// sequence's squared exposure per row (`sequence exposure^2 / sequence length`), the
 /// root of the sum. For a unit that reads every row this is the sequences' exposures
@@ -182,7 +176,7 @@ mod tests {
     fn exposure_of_rows() {
         let c = [1.0f32, -1.0, 0.0, 0.0, 0.5, 0.5, 0.5];
         let off = [0, 2, 4, 7];
-        let e = sequence_exposure(&c, &off);
+        let e = crate::grpo::exposure_per_sequence(&c, &off);
         // sqrt(1 + 1), 0, sqrt(3 * 0.25): exact in f64 up to the roots' rounding.
         assert!((e[0] - 2f64.sqrt()).abs() < 1e-15);
         assert_eq!(e[1], 0.0);

@@ -120,33 +120,45 @@ pub struct StepSelection {
     pub solves: usize,
 }
 
+impl Group {
+    /// The choices one pick of this group takes.
+    pub fn chosen<'a>(&'a self, pick: &'a Pick) -> Box<dyn Iterator<Item = &'a Choice> + 'a> {
+        match pick {
+            Pick::Whole(i) => Box::new(std::iter::once(&self.whole[*i])),
+            Pick::Opened(ks) => {
+                let o = self
+                    .opened
+                    .as_ref()
+                    .expect("opened pick of a group without parts");
+                Box::new(
+                    std::iter::once(&o.base)
+                        .chain(o.parts.iter().zip(ks).map(|(part, &k)| &part[k])),
+                )
+            }
+        }
+    }
+
+    /// Seconds, risk and bytes of one pick of this group.
+    pub fn totals(&self, pick: &Pick) -> (f64, f64, i64) {
+        sum_choices(self.chosen(pick))
+    }
+}
+
+fn sum_choices<'a>(cs: impl Iterator<Item = &'a Choice>) -> (f64, f64, i64) {
+    cs.fold((0.0, 0.0, 0), |(s, r, b), c| {
+        (s + c.seconds, r + c.risk, b + c.bytes)
+    })
+}
+
 impl Problem {
     /// The choices a selection takes, in group order.
     pub fn chosen<'a>(&'a self, picks: &'a [Pick]) -> impl Iterator<Item = &'a Choice> + 'a {
-        self.groups.iter().zip(picks).flat_map(
-            |(g, p)| -> Box<dyn Iterator<Item = &'a Choice> + 'a> {
-                match p {
-                    Pick::Whole(i) => Box::new(std::iter::once(&g.whole[*i])),
-                    Pick::Opened(ks) => {
-                        let o = g
-                            .opened
-                            .as_ref()
-                            .expect("opened pick of a group without parts");
-                        Box::new(
-                            std::iter::once(&o.base)
-                                .chain(o.parts.iter().zip(ks).map(|(part, &k)| &part[k])),
-                        )
-                    }
-                }
-            },
-        )
+        self.groups.iter().zip(picks).flat_map(|(g, p)| g.chosen(p))
     }
 
     /// Seconds, risk and bytes of a selection's picks.
     pub fn totals(&self, picks: &[Pick]) -> (f64, f64, i64) {
-        self.chosen(picks).fold((0.0, 0.0, 0), |(s, r, b), c| {
-            (s + c.seconds, r + c.risk, b + c.bytes)
-        })
+        sum_choices(self.chosen(picks))
     }
 
     /// The selection of `picks` with its totals (`lambda`: the multiplier behind it).

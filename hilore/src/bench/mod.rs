@@ -59,19 +59,16 @@ pub struct BenchArgs {
     /// Target relative L2 error of the step's gradient (sets the risk budget).
     #[arg(long, default_value_t = DEFAULT_TARGET_REL_L2)]
     target_rel_l2: f64,
-    /// Codecs the allocators may use.
-    #[arg(
-        long,
-        value_delimiter = ',',
-        default_value = "bf16,fp8-e4m3-b32,int8-b32,int4-g32"
-    )]
+    /// Codecs the allocators may use (default: those `hilore train --policy hilore`
+    /// offers).
+    #[arg(long, value_delimiter = ',', default_values = crate::train::HILORE_CODECS)]
     codecs: Vec<String>,
     /// Budget factors to sweep (e.g. `1.0,1.05,1.1,1.25,1.5,2`): a Pareto chart of
     /// throughput against memory for every policy.
     #[arg(long, value_delimiter = ',')]
     budgets: Vec<f64>,
-    /// Risk targets (relative L2) to sweep for HiLoRe and the Adacc-style policy at the
-    /// main budget: time against measured gradient error.
+    /// Risk targets (relative L2) to sweep for HiLoRe, its exposure-blind ablation and the
+    /// Adacc-style policy at the main budget: time against measured gradient error.
     #[arg(long, value_delimiter = ',', default_value = "0.003,0.03")]
     risk_targets: Vec<f64>,
     /// Repetitions of each sweep point.

@@ -711,8 +711,9 @@ struct Run {
     allocator: Option<Rc<RefCell<OnlineAllocator>>>,
 }
 
-/// The codecs `--policy hilore` offers.
-const HILORE_CODECS: [&str; 4] = ["bf16", "fp8-e4m3-b32", "int8-b32", "int4-g32"];
+/// The codecs `--policy hilore` offers (and `hilore bench`'s knapsack policies, by
+/// default).
+pub(crate) const HILORE_CODECS: [&str; 4] = ["bf16", "fp8-e4m3-b32", "int8-b32", "int4-g32"];
 
 /// `--policy hilore`'s allocator for a model of `num_params` parameters (`None` for the
 /// other policies).
