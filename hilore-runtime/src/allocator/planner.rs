@@ -43,8 +43,12 @@
 //! about half the capacity the additive model offers and left up to 1.3 MiB of the
 //! budget unused per microbatch; the search spends it (on that decoder HiLoRe's predicted
 //! recompute + codec time per step fell from 0.63 s to 0.36-0.43 s over three runs at the
-//! same budget and risk target). It is bounded to 96 new simulations per microbatch, and simulated peaks are
-//! shared between the microbatches of a step, so it stays a small part of the solve time.
+//! same budget and risk target). It is bounded to 32 new simulations per microbatch (on
+//! the bench decoder 94% of the changes it took came within its first 32 simulations,
+//! 82% within 4; a simulation costs about 60 us there), a change whose plan did not fit
+//! is not simulated again in the same search, and simulated peaks are shared between the
+//! microbatches of a step, so it stays a small part of the solve time (15-45 ms per step
+//! of 17 microbatches there, against 129 ms with 96 simulations and no such memory).
 
 use super::budget::StateBytes;
 use super::costs::{CostModel, MicrobatchShape};
@@ -117,7 +121,7 @@ fn others_risk(risks: &[f64], k: usize) -> f64 {
 }
 
 /// New exact simulations one [`Allocator::refine`] call may run.
-const REFINE_SIMULATIONS: usize = 96;
+const REFINE_SIMULATIONS: usize = 32;
 
 /// Predicted recompute and codec seconds of a selection.
 fn split_seconds(p: &Problem, picks: &[Pick]) -> (f64, f64) {
@@ -1025,6 +1029,9 @@ impl Allocator {
         let mut cur = picks.to_vec();
         let mut found: Option<usize> = None;
         let mut sims = 0;
+        // Changes whose plan did not fit: the changes taken mostly add bytes, so they are not
+        // simulated again.
+        let mut failed: std::collections::HashSet<(usize, Pick)> = Default::default();
         'search: loop {
             let (_, risk, _) = p.totals(&cur);
             let mut moves: Vec<(f64, usize, Pick)> = Vec::new();
@@ -1066,8 +1073,11 @@ impl Allocator {
             }
             moves.sort_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)));
             for (_, g, pick) in moves {
+                if failed.contains(&(g, pick.clone())) {
+                    continue;
+                }
                 let mut trial = cur.clone();
-                trial[g] = pick;
+                trial[g] = pick.clone();
                 let key = p.fidelities(&trial);
                 let peak = match peaks.get(&key) {
                     Some(&pk) => pk,
@@ -1088,6 +1098,7 @@ impl Allocator {
                     found = Some(peak);
                     continue 'search;
                 }
+                failed.insert((g, pick));
             }
             break;
         }

@@ -85,7 +85,7 @@ pub struct Problem {
 }
 
 /// What was picked for one group.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub enum Pick {
     /// `whole[i]`.
     Whole(usize),
