@@ -49,11 +49,27 @@ pub(crate) fn encode(codec: &'static dyn Codec, t: &Tensor, unit: &str) -> Resul
             cuda::Failure::Device(e) => codec_error(unit, e),
         });
     }
-    let data: Vec<f32> = t.flatten_all()?.to_dtype(DType::F32)?.to_vec1()?;
     let mut enc = Encoded::default();
-    codec
-        .encode(&data, &mut enc)
-        .map_err(|e| codec_error(unit, e.into()))?;
+    // A contiguous f32 host tensor (the common case) is encoded from its storage, without
+    // a copy; anything else is gathered into row-major f32 first.
+    let direct = {
+        let (storage, layout) = t.storage_and_layout();
+        match (&*storage, layout.contiguous_offsets()) {
+            (candle_core::Storage::Cpu(cs), Some((start, end))) if t.dtype() == DType::F32 => {
+                let data = cs.as_slice::<f32>()?;
+                Some(codec.encode(&data[start..end], &mut enc))
+            }
+            _ => None,
+        }
+    };
+    let done = match direct {
+        Some(r) => r,
+        None => {
+            let data: Vec<f32> = t.flatten_all()?.to_dtype(DType::F32)?.to_vec1()?;
+            codec.encode(&data, &mut enc)
+        }
+    };
+    done.map_err(|e| codec_error(unit, e.into()))?;
     Ok(Encoding::Host(enc))
 }
 
