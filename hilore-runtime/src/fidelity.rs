@@ -55,7 +55,8 @@ pub struct Plan {
     name: String,
     default: Fidelity,
     by_unit: HashMap<String, Fidelity>,
-    by_instance: HashMap<(String, usize), Fidelity>,
+    /// Unit name -> call -> fidelity (looked up by `&str`, without an allocation).
+    by_instance: HashMap<String, HashMap<usize, Fidelity>>,
 }
 
 impl Plan {
@@ -105,13 +106,24 @@ impl Plan {
         call: usize,
         fidelity: Fidelity,
     ) -> Self {
-        self.by_instance.insert((unit.into(), call), fidelity);
+        self.by_instance
+            .entry(unit.into())
+            .or_default()
+            .insert(call, fidelity);
         self
     }
 
     /// Sets one instance in place.
     pub fn set_instance(&mut self, unit: &str, call: usize, fidelity: Fidelity) {
-        self.by_instance.insert((unit.to_string(), call), fidelity);
+        match self.by_instance.get_mut(unit) {
+            Some(calls) => {
+                calls.insert(call, fidelity);
+            }
+            None => {
+                self.by_instance
+                    .insert(unit.to_string(), HashMap::from([(call, fidelity)]));
+            }
+        }
     }
 
     /// The plan's name.
@@ -121,7 +133,7 @@ impl Plan {
 
     /// The fidelity of call `call` of `unit`.
     pub fn fidelity_for(&self, unit: &UnitDescriptor, call: usize) -> Fidelity {
-        if let Some(f) = self.by_instance.get(&(unit.name.to_string(), call)) {
+        if let Some(f) = self.by_instance.get(unit.name).and_then(|c| c.get(&call)) {
             return *f;
         }
         if let Some(f) = self.by_unit.get(unit.name) {

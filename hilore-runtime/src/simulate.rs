@@ -17,6 +17,10 @@ use crate::Result;
 use candle_core::{Tensor, TensorId};
 use std::collections::HashMap;
 
+/// The simulator's maps: small integer keys, hashed fast (a simulation is in the
+/// planner's inner loop).
+type FastMap<K, V> = HashMap<K, V, foldhash::fast::RandomState>;
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum ProfKind {
     Act,
@@ -177,14 +181,15 @@ enum St {
 struct SimUnit {
     state: St,
     held: Vec<Key>,
-    buf_map: HashMap<usize, Key>,
-    tid_map: HashMap<usize, Key>,
+    buf_map: FastMap<usize, Key>,
+    tid_map: FastMap<usize, Key>,
 }
 
 struct Sim<'p> {
     p: &'p Profile,
-    plan: &'p Plan,
-    refs: HashMap<Key, (usize, usize)>,
+    /// Every instance's fidelity under the plan.
+    fids: &'p [Fidelity],
+    refs: FastMap<Key, (usize, usize)>,
     saved: usize,
     agrad: usize,
     peak: usize,
@@ -193,7 +198,7 @@ struct Sim<'p> {
     ctx: Vec<(u32, usize)>,
     slots: Vec<Vec<SimSlot>>,
     units: Vec<SimUnit>,
-    encodings: HashMap<(Key, &'static str), Key>,
+    encodings: FastMap<(Key, &'static str), Key>,
     recomputes: usize,
     decodes: usize,
 }
@@ -279,9 +284,7 @@ impl Sim<'_> {
             self.units[u].state = St::Live;
             return Ok(());
         }
-        let f = self.plan.fidelity_for(up.desc, up.call);
-        up.desc.check(f)?;
-        match f {
+        match self.fids[u] {
             Fidelity::Store => self.units[u].state = St::Live,
             Fidelity::Compress(codec) => {
                 let codec = hilore_kernels::codec_by_name(codec)?;
@@ -325,8 +328,8 @@ impl Sim<'_> {
                     self.units[v].state = St::Dropped;
                 }
                 let mut held = Vec::new();
-                let mut buf_map = HashMap::new();
-                let mut tid_map = HashMap::new();
+                let mut buf_map = FastMap::default();
+                let mut tid_map = FastMap::default();
                 for &(buf, tid) in &up.inputs {
                     let k = self.resolve_buf(buf);
                     self.add(k, self.p.buf_bytes[buf]);
@@ -462,10 +465,34 @@ impl Profile {
 
     /// Predicts the ledger peak of `plan` on the profiled forward+backward, exactly.
     pub fn simulate(&self, plan: &Plan) -> Result<Simulated> {
+        let fids: Vec<Fidelity> = self
+            .units
+            .iter()
+            .map(|u| plan.fidelity_for(u.desc, u.call))
+            .collect();
+        self.simulate_fidelities(&fids)
+    }
+
+    /// [`Profile::simulate`] with every instance's fidelity given directly (`fids[i]` for
+    /// instance `i`, in the order of [`Profile::instances`]).
+    pub fn simulate_fidelities(&self, fids: &[Fidelity]) -> Result<Simulated> {
+        if fids.len() != self.units.len() {
+            return Err(crate::Error::Tape(format!(
+                "simulator: {} fidelities given for {} unit instances",
+                fids.len(),
+                self.units.len()
+            )));
+        }
+        for (u, &f) in self.units.iter().zip(fids) {
+            u.desc.check(f)?;
+            if let Fidelity::Compress(codec) = f {
+                hilore_kernels::codec_by_name(codec)?;
+            }
+        }
         let mut sim = Sim {
             p: self,
-            plan,
-            refs: HashMap::new(),
+            fids,
+            refs: FastMap::default(),
             saved: 0,
             agrad: 0,
             peak: 0,
@@ -477,11 +504,11 @@ impl Profile {
                 .map(|_| SimUnit {
                     state: St::Open,
                     held: Vec::new(),
-                    buf_map: HashMap::new(),
-                    tid_map: HashMap::new(),
+                    buf_map: FastMap::default(),
+                    tid_map: FastMap::default(),
                 })
                 .collect(),
-            encodings: HashMap::new(),
+            encodings: FastMap::default(),
             recomputes: 0,
             decodes: 0,
         };
@@ -489,7 +516,7 @@ impl Profile {
         let end_of_forward_bytes = sim.saved;
         sim.agrad = self.seed_bytes;
         sim.peak = sim.peak.max(sim.saved + sim.agrad);
-        let mut finishing: HashMap<usize, Vec<usize>> = HashMap::new();
+        let mut finishing: FastMap<usize, Vec<usize>> = FastMap::default();
         for (i, u) in self.units.iter().enumerate() {
             finishing.entry(u.first).or_default().push(i);
         }

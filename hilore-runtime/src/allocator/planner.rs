@@ -49,6 +49,24 @@
 //! is not simulated again in the same search, and simulated peaks are shared between the
 //! microbatches of a step, so it stays a small part of the solve time (15-45 ms per step
 //! of 17 microbatches there, against 129 ms with 96 simulations and no such memory).
+//!
+//! The search only moves one group at a time, so it cannot leave the shape of the plan it
+//! starts from. Where the budget is tight the knapsack's plan can be of a slow shape (on
+//! the bench decoder at 1.05 x full recompute's peak: a few instances compressed and many
+//! recomputed, 1.45 s of predicted overhead per step, where the greedy by cost per byte
+//! found 0.90 s with most instances compressed). So the search also starts from the
+//! greedy's plans: from every instance stored, the change of one group that adds the least
+//! `seconds + lambda * risk` per byte saved, with the step's multiplier `lambda` and with
+//! none (the Adacc-style order), within the risk the step leaves the microbatch, until the
+//! exact peak fits (bisected along the greedy's path, a few simulations); the fastest of
+//! the searched plans is kept. The planner's plan is therefore never slower, by its own
+//! cost model, than the greedy with the same exposure and risk budget.
+//!
+//! The capacities are searched for the DP's fastest plans, ignoring the risk. When no DP
+//! plan within them meets the risk budget (a tight budget, compression that costs next to
+//! nothing), every microbatch starts instead from its exact Store / Recompute plan (which
+//! carries no risk) and the searches add what compression the risk budget allows; only
+//! when no exact plan fits either is the risk budget reported infeasible.
 
 use super::budget::StateBytes;
 use super::costs::{CostModel, MicrobatchShape};
@@ -109,6 +127,10 @@ pub struct Decision {
     /// Fidelity counts: (fidelity, instances).
     pub counts: Vec<(String, usize)>,
 }
+
+/// Exact peaks already simulated, by every instance's fidelity (byte figures do not depend
+/// on the microbatch, so a step's microbatches share them).
+type Peaks = HashMap<Vec<Fidelity>, usize, foldhash::fast::RandomState>;
 
 /// The summed (squared) risks of every microbatch but `k`.
 fn others_risk(risks: &[f64], k: usize) -> f64 {
@@ -483,6 +505,33 @@ impl Allocator {
         Ok(problem)
     }
 
+    /// Every instance's fidelity under a selection (`[i]` for instance `i`; Store where
+    /// the selection sets nothing). A problem lists its groups' choices in layout order,
+    /// each group's instance first and then its children, so the selection's fidelities
+    /// fall on the layout's instances in that order.
+    fn fids_of(&self, problem: &Problem, picks: &[Pick]) -> Vec<Fidelity> {
+        let mut fids = vec![Fidelity::Store; self.instances.len()];
+        let order = self
+            .layout
+            .iter()
+            .flat_map(|l| std::iter::once(l.top).chain(l.children.iter().copied()));
+        let chosen = problem
+            .chosen(picks)
+            .flat_map(|c| c.fidelities.iter().map(|f| f.2));
+        for (i, f) in order.zip(chosen) {
+            fids[i] = f;
+        }
+        fids
+    }
+
+    /// The exact ledger peak of a selection.
+    fn peak_of(&self, problem: &Problem, picks: &[Pick]) -> Result<usize> {
+        Ok(self
+            .profile
+            .simulate_fidelities(&self.fids_of(problem, picks))?
+            .peak_bytes)
+    }
+
     fn plan_of_selection(&self, name: &str, problem: &Problem, picks: &[Pick]) -> Plan {
         let mut plan = Plan::store_all().named(name);
         for b in &self.instances {
@@ -612,6 +661,16 @@ impl Allocator {
                     .collect();
                 ks.map(Pick::Opened)
             })
+            .collect()
+    }
+
+    /// A plan as an assignment: every instance's fidelity under it (Store ones left out).
+    fn assignment_of(&self, plan: &Plan) -> HashMap<usize, Fidelity> {
+        self.instances
+            .iter()
+            .enumerate()
+            .map(|(i, b)| (i, plan.fidelity_for(self.descs[i], b.call)))
+            .filter(|(_, f)| *f != Fidelity::Store)
             .collect()
     }
 
@@ -769,9 +828,11 @@ impl Allocator {
         let hi0 = avail - self.reference_eof;
         let mut last_cap: Option<i64> = None;
         let mut problems = Vec::with_capacity(mbs.len());
-        // For a microbatch given an exact selective-shaped plan: its full problem and the
-        // plan as picks in it, where the exact local search (step 4) starts.
-        let mut seeds: Vec<Option<(Problem, Vec<Pick>)>> = Vec::with_capacity(mbs.len());
+        // Every microbatch's full problem (the greedy start of step 5 works in it).
+        let mut fulls: Vec<Problem> = Vec::with_capacity(mbs.len());
+        // For a microbatch given an exact selective-shaped plan: the plan as picks in its
+        // full problem, where the exact local search (step 4) starts.
+        let mut seeds: Vec<Option<Vec<Pick>>> = Vec::with_capacity(mbs.len());
         // Selective-recompute-shaped exact plans and whether each fits (byte figures do
         // not depend on the microbatch, so each is simulated at most once per step).
         let selective = mbs
@@ -790,8 +851,7 @@ impl Allocator {
                 match self.solver.solve(p) {
                     Ok(s) => {
                         *checks += 1;
-                        let plan = self.plan_of_selection("check", p, &s.picks);
-                        Ok((self.simulate_peak(&plan)? as i64 <= avail).then_some(s))
+                        Ok((self.peak_of(p, &s.picks)? as i64 <= avail).then_some(s))
                     }
                     Err(Infeasible::Memory { .. }) => Ok(None),
                     Err(e) => Err(Error::Tape(e.to_string())),
@@ -832,6 +892,7 @@ impl Allocator {
                     match found {
                         Some(fp) => {
                             problems.push(fp);
+                            fulls.push(p);
                             seeds.push(None);
                             continue;
                         }
@@ -881,12 +942,13 @@ impl Allocator {
                 }
                 if let Some(i) = taken {
                     problems.push(self.fixed_problem(mb, e, &selective[i])?);
-                    let picks = self.picks_of(&p, &selective[i]);
-                    seeds.push(picks.map(|k| (p, k)));
+                    seeds.push(self.picks_of(&p, &selective[i]));
+                    fulls.push(p);
                     continue;
                 }
             }
-            problems.push(p);
+            problems.push(p.clone());
+            fulls.push(p);
             seeds.push(None);
         }
         // 2. Risks add in quadrature (errors of different units and microbatches are
@@ -900,14 +962,44 @@ impl Allocator {
         } else {
             f64::INFINITY
         };
-        let step = self.solver.solve_step(&problems, b2).map_err(|e| match e {
+        let infeasible = |e: Infeasible| {
+            match e {
             Infeasible::Risk { min_risk, budget } => Error::Tape(format!(
                 "risk budget {:.4e} is infeasible under this memory budget: the least risk any plan that fits reaches is {:.4e} (risks added in quadrature)",
                 budget.sqrt(),
                 min_risk.sqrt()
             )),
             e => Error::Tape(e.to_string()),
-        })?;
+        }
+        };
+        let step = match self.solver.solve_step(&problems, b2) {
+            Ok(step) => step,
+            Err(e @ Infeasible::Risk { .. }) if !offer.codecs.is_empty() => {
+                // The capacities were searched for the DP's fastest plans; where those
+                // carry too much risk, a plan with less may still fit exactly (e.g. full
+                // recompute at its own peak) that the additive model does not show. Start
+                // every microbatch from the exact (Store / Recompute) plan, which carries
+                // none; the searches of steps 4 and 5 then add compression within the
+                // risk budget.
+                let exact = Offer {
+                    codecs: Vec::new(),
+                    ..offer.clone()
+                };
+                let Ok(plans) = self.plan_step(mbs, total_budget, f64::INFINITY, &exact, None)
+                else {
+                    return Err(infeasible(e));
+                };
+                for (k, d) in plans.iter().enumerate() {
+                    let assign = self.assignment_of(&d.plan);
+                    let e = assumed_exposure.unwrap_or(mbs[k].exposure);
+                    problems[k] = self.fixed_problem(&mbs[k], e, &assign)?;
+                    seeds[k] = self.picks_of(&fulls[k], &assign);
+                    checks += d.exact_checks;
+                }
+                self.solver.solve_step(&problems, b2).map_err(infeasible)?
+            }
+            Err(e) => return Err(infeasible(e)),
+        };
         checks += step.solves;
         let sel = step.selections;
         // 3. Exact check of every plan (the capacity was searched without the risk
@@ -915,10 +1007,10 @@ impl Allocator {
         let mut out = Vec::with_capacity(mbs.len());
         let mut risks: Vec<f64> = sel.iter().map(|s| s.risk).collect();
         // Exact peaks by plan (byte figures do not depend on the microbatch).
-        let mut peaks: HashMap<Vec<(String, usize, Fidelity)>, usize> = HashMap::new();
+        let mut peaks = Peaks::default();
         for (k, ((p, mut s), seed)) in problems.iter().zip(sel).zip(seeds).enumerate() {
-            let mut plan = self.plan_of_selection("hilore", p, &s.picks);
-            let mut peak = self.simulate_peak(&plan)?;
+            let full = &fulls[k];
+            let mut peak = self.peak_of(p, &s.picks)?;
             checks += 1;
             let mut q = p.clone();
             let mut tries = 0;
@@ -935,11 +1027,11 @@ impl Allocator {
                         checks += 1;
                         let fpeak = self.simulate_peak(&fplan)?;
                         if fpeak as i64 <= avail {
-                            found = Some((self.fixed_problem(&mbs[k], 0.0, &a)?, fplan, fpeak));
+                            found = Some((self.fixed_problem(&mbs[k], 0.0, &a)?, fpeak));
                             break;
                         }
                     }
-                    let Some((fq, fplan, fpeak)) = found else {
+                    let Some((fq, fpeak)) = found else {
                         return Err(self.infeasible_memory(total_budget, offer));
                     };
                     q = fq;
@@ -948,7 +1040,6 @@ impl Allocator {
                         .solve(&q)
                         .map_err(|e| Error::Tape(e.to_string()))?;
                     risks[k] = s.risk;
-                    plan = fplan;
                     peak = fpeak;
                     break;
                 }
@@ -959,8 +1050,7 @@ impl Allocator {
                     ))
                 })?;
                 risks[k] = s.risk;
-                plan = self.plan_of_selection("hilore", &q, &s.picks);
-                peak = self.simulate_peak(&plan)?;
+                peak = self.peak_of(&q, &s.picks)?;
                 checks += 1;
             }
             // 4. Exact local search: the additive byte model is only a proxy for the
@@ -972,17 +1062,44 @@ impl Allocator {
             } else {
                 f64::INFINITY
             };
-            if let Some((full, picks)) = seed.filter(|_| tries == 0) {
+            if let Some(picks) = seed.filter(|_| tries == 0) {
                 // The fixed plan fitted as it was: search from it in the full problem.
                 s = full.selection(picks, s.lambda);
-                q = full;
+                q = full.clone();
             }
             let refined = self.refine(&q, &s.picks, avail, risk_cap, &mut peaks, &mut checks)?;
             if let Some((picks, rpeak)) = refined {
                 s = q.selection(picks, s.lambda);
                 risks[k] = s.risk;
-                plan = self.plan_of_selection("hilore", &q, &s.picks);
                 peak = rpeak;
+            }
+            // 5. Other starts: the greedy by time per byte saved (with the step's risk
+            // multiplier on the risk, and without it: the Adacc-style order, within the
+            // same risk), walked down from every instance stored until the exact peak
+            // fits, then searched the same way. They reach plans of another shape than the
+            // knapsack's (many instances compressed where the budget is tight); the
+            // fastest is kept.
+            let mut lambdas = vec![step.lambda];
+            if step.lambda > 0.0 {
+                lambdas.push(0.0);
+            }
+            for lambda in lambdas {
+                let cap = (risk_cap, lambda);
+                let Some((gpicks, gpeak)) =
+                    self.greedy(full, avail, cap, true, &mut peaks, &mut checks)?
+                else {
+                    continue;
+                };
+                let (gpicks, gpeak) = self
+                    .refine(full, &gpicks, avail, risk_cap, &mut peaks, &mut checks)?
+                    .unwrap_or((gpicks, gpeak));
+                let g = full.selection(gpicks, step.lambda);
+                if g.seconds < s.seconds - 1e-9 {
+                    s = g;
+                    q = full.clone();
+                    risks[k] = s.risk;
+                    peak = gpeak;
+                }
             }
             let mut counts: HashMap<String, usize> = HashMap::new();
             for (_, _, f) in q.fidelities(&s.picks) {
@@ -992,7 +1109,7 @@ impl Allocator {
             counts.sort();
             let (rc, codec) = split_seconds(&q, &s.picks);
             out.push(Decision {
-                plan,
+                plan: self.plan_of_selection("hilore", &q, &s.picks),
                 predicted_peak_bytes: peak,
                 predicted_total_bytes: peak + self.state.total(),
                 predicted_seconds: s.seconds,
@@ -1023,7 +1140,7 @@ impl Allocator {
         picks: &[Pick],
         avail: i64,
         risk_cap: f64,
-        peaks: &mut HashMap<Vec<(String, usize, Fidelity)>, usize>,
+        peaks: &mut Peaks,
         checks: &mut usize,
     ) -> Result<Option<(Vec<Pick>, usize)>> {
         let mut cur = picks.to_vec();
@@ -1078,7 +1195,7 @@ impl Allocator {
                 }
                 let mut trial = cur.clone();
                 trial[g] = pick.clone();
-                let key = p.fidelities(&trial);
+                let key = self.fids_of(p, &trial);
                 let peak = match peaks.get(&key) {
                     Some(&pk) => pk,
                     None => {
@@ -1087,8 +1204,7 @@ impl Allocator {
                         }
                         sims += 1;
                         *checks += 1;
-                        let pk =
-                            self.simulate_peak(&self.plan_of_selection("refine", p, &trial))?;
+                        let pk = self.profile.simulate_fidelities(&key)?.peak_bytes;
                         peaks.insert(key, pk);
                         pk
                     }
@@ -1124,84 +1240,210 @@ impl Allocator {
         // Risks in the knapsack are squared (they add in quadrature).
         let risk_budget = risk_budget * risk_budget;
         let p = self.problem(mb, assumed_exposure, offer, i64::MAX, risk_budget)?;
-        // Current pick per group: opened with every part at Store (index of Store).
+        let mut checks = 0;
+        let mut peaks = Peaks::default();
+        let cap = (risk_budget, 0.0);
+        let Some((picks, peak)) =
+            self.greedy(&p, avail as i64, cap, false, &mut peaks, &mut checks)?
+        else {
+            return Err(self.infeasible_memory(total_budget, offer));
+        };
+        let plan = self.plan_of_selection("adacc-style", &p, &picks);
+        let (secs, risk, _) = p.totals(&picks);
+        let mut counts: HashMap<String, usize> = HashMap::new();
+        for (_, _, f) in p.fidelities(&picks) {
+            *counts.entry(f.to_string()).or_default() += 1;
+        }
+        let mut counts: Vec<_> = counts.into_iter().collect();
+        counts.sort();
+        let (rc, codec) = split_seconds(&p, &picks);
+        Ok(Decision {
+            plan,
+            predicted_peak_bytes: peak,
+            predicted_total_bytes: peak + self.state.total(),
+            predicted_seconds: secs,
+            predicted_recompute_seconds: rc,
+            predicted_codec_seconds: codec,
+            predicted_risk: risk.sqrt(),
+            lambda: 0.0,
+            solve_seconds: t0.elapsed().as_secs_f64(),
+            exact_checks: checks,
+            counts,
+        })
+    }
+
+    /// Every instance stored (every group opened where it can be): where the greedy by
+    /// cost per byte starts.
+    fn store_picks(p: &Problem) -> Vec<Pick> {
         let store_idx = |part: &Vec<Choice>| {
             part.iter()
                 .position(|c| c.fidelities[0].2 == Fidelity::Store)
                 .unwrap_or(0)
         };
-        let mut picks: Vec<Pick> = p
-            .groups
+        p.groups
             .iter()
             .map(|g| match &g.opened {
                 Some(o) => Pick::Opened(o.parts.iter().map(store_idx).collect()),
                 None => Pick::Whole(store_idx(&g.whole)),
             })
-            .collect();
-        let mut checks = 0;
-        loop {
-            let plan = self.plan_of_selection("adacc-style", &p, &picks);
-            let peak = self.simulate_peak(&plan)?;
-            checks += 1;
-            let (secs, risk, _) = p.totals(&picks);
-            if peak <= avail {
-                let mut counts: HashMap<String, usize> = HashMap::new();
-                for (_, _, f) in p.fidelities(&picks) {
-                    *counts.entry(f.to_string()).or_default() += 1;
+            .collect()
+    }
+
+    /// The greedy's next change by cost per byte from `picks`: the change of one group
+    /// that adds the least `seconds + lambda * risk` per byte saved (additive bytes),
+    /// among changes whose summed squared risk stays within `risk_cap`. `None` when no
+    /// change saves bytes.
+    fn greedy_step(
+        p: &Problem,
+        picks: &[Pick],
+        risk_cap: f64,
+        lambda: f64,
+    ) -> Option<(usize, Pick)> {
+        let (_, risk, _) = p.totals(picks);
+        // Best move: (cost per byte saved, group, whole choice or (part, choice)).
+        enum Move {
+            Whole(usize),
+            Part(usize, usize),
+        }
+        let mut best: Option<(f64, usize, Move)> = None;
+        for (g, group) in p.groups.iter().enumerate() {
+            let cur = group.totals(&picks[g]);
+            let mut consider = |(s, r, b): (f64, f64, i64), m: Move| {
+                let saved = cur.2 - b;
+                if saved <= 0 || risk - cur.1 + r > risk_cap {
+                    return;
                 }
-                let mut counts: Vec<_> = counts.into_iter().collect();
-                counts.sort();
-                let (rc, codec) = split_seconds(&p, &picks);
-                return Ok(Decision {
-                    plan,
-                    predicted_peak_bytes: peak,
-                    predicted_total_bytes: peak + self.state.total(),
-                    predicted_seconds: secs,
-                    predicted_recompute_seconds: rc,
-                    predicted_codec_seconds: codec,
-                    predicted_risk: risk.sqrt(),
-                    lambda: 0.0,
-                    solve_seconds: t0.elapsed().as_secs_f64(),
-                    exact_checks: checks,
-                    counts,
-                });
-            }
-            // Candidate moves: (seconds per byte saved, group, new pick).
-            let mut best: Option<(f64, usize, Pick)> = None;
-            let mut consider = |rate: f64, g: usize, pick: Pick| {
-                if best.as_ref().is_none_or(|(r, _, _)| rate < *r) {
-                    best = Some((rate, g, pick));
+                let cost = (s - cur.0) + lambda * (r - cur.1);
+                let rate = cost.max(0.0) / saved as f64;
+                if best.as_ref().is_none_or(|(br, _, _)| rate < *br) {
+                    best = Some((rate, g, m));
                 }
             };
-            for (g, group) in p.groups.iter().enumerate() {
-                let cur = group.totals(&picks[g]);
-                let mut try_pick = |pick: Pick| {
-                    let (s, r, b) = group.totals(&pick);
-                    let saved = cur.2 - b;
-                    if saved <= 0 || risk - cur.1 + r > risk_budget {
-                        return;
-                    }
-                    consider((s - cur.0).max(0.0) / saved as f64, g, pick);
-                };
-                for k in 0..group.whole.len() {
-                    try_pick(Pick::Whole(k));
-                }
-                if let (Some(o), Pick::Opened(ks)) = (&group.opened, &picks[g]) {
-                    for (pi, part) in o.parts.iter().enumerate() {
-                        for k in 0..part.len() {
-                            if k != ks[pi] {
-                                let mut n = ks.clone();
-                                n[pi] = k;
-                                try_pick(Pick::Opened(n));
-                            }
-                        }
-                    }
-                }
+            for (k, c) in group.whole.iter().enumerate() {
+                consider((c.seconds, c.risk, c.bytes), Move::Whole(k));
             }
-            match best {
-                Some((_, g, pick)) => picks[g] = pick,
-                None => return Err(self.infeasible_memory(total_budget, offer)),
+            if let (Some(o), Pick::Opened(ks)) = (&group.opened, &picks[g]) {
+                // One part changed: the group's totals move by that part's difference.
+                for (pi, part) in o.parts.iter().enumerate() {
+                    let was = &part[ks[pi]];
+                    for (k, c) in part.iter().enumerate().filter(|&(k, _)| k != ks[pi]) {
+                        let t = (
+                            cur.0 - was.seconds + c.seconds,
+                            cur.1 - was.risk + c.risk,
+                            cur.2 - was.bytes + c.bytes,
+                        );
+                        consider(t, Move::Part(pi, k));
+                    }
+                }
             }
         }
+        let (_, g, m) = best?;
+        let pick = match (m, &picks[g]) {
+            (Move::Whole(k), _) => Pick::Whole(k),
+            (Move::Part(pi, k), Pick::Opened(ks)) => {
+                let mut ks = ks.clone();
+                ks[pi] = k;
+                Pick::Opened(ks)
+            }
+            (Move::Part(..), Pick::Whole(_)) => unreachable!("a part change of an opened pick"),
+        };
+        Some((g, pick))
+    }
+
+    /// The exact peak of `picks`, from `peaks` or simulated (and kept there).
+    fn cached_peak(
+        &self,
+        p: &Problem,
+        picks: &[Pick],
+        peaks: &mut Peaks,
+        checks: &mut usize,
+    ) -> Result<usize> {
+        let key = self.fids_of(p, picks);
+        if let Some(&pk) = peaks.get(&key) {
+            return Ok(pk);
+        }
+        *checks += 1;
+        let pk = self.profile.simulate_fidelities(&key)?.peak_bytes;
+        peaks.insert(key, pk);
+        Ok(pk)
+    }
+
+    /// The greedy by cost per byte ([`Allocator::greedy_step`] from
+    /// [`Allocator::store_picks`]), stopped at the first plan along its path whose exact
+    /// peak fits `avail` (each step simulated, as the Adacc-style baseline does), or, with
+    /// `bisect`, at a plan found by galloping then bisecting along the path (a fitting plan
+    /// right after one that does not: the first when exact peaks fall along the path, in a
+    /// logarithmic number of simulations). `None` when no plan on the path fits.
+    fn greedy(
+        &self,
+        p: &Problem,
+        avail: i64,
+        (risk_cap, lambda): (f64, f64),
+        bisect: bool,
+        peaks: &mut Peaks,
+        checks: &mut usize,
+    ) -> Result<Option<(Vec<Pick>, usize)>> {
+        let mut path = vec![Self::store_picks(p)];
+        // Extends the path to hold index `i` (or as far as it goes); whether it does.
+        let extend = |path: &mut Vec<Vec<Pick>>, i: usize| -> bool {
+            while path.len() <= i {
+                let last = &path[path.len() - 1];
+                match Self::greedy_step(p, last, risk_cap, lambda) {
+                    Some((g, pick)) => {
+                        let mut next = last.clone();
+                        next[g] = pick;
+                        path.push(next);
+                    }
+                    None => return false,
+                }
+            }
+            true
+        };
+        let mut fits = |picks: &[Pick]| -> Result<Option<usize>> {
+            let pk = self.cached_peak(p, picks, peaks, checks)?;
+            Ok((pk as i64 <= avail).then_some(pk))
+        };
+        if !bisect {
+            let mut i = 0;
+            loop {
+                if let Some(pk) = fits(&path[i])? {
+                    return Ok(Some((path.swap_remove(i), pk)));
+                }
+                i += 1;
+                if !extend(&mut path, i) {
+                    return Ok(None);
+                }
+            }
+        }
+        if let Some(pk) = fits(&path[0])? {
+            return Ok(Some((path.swap_remove(0), pk)));
+        }
+        // Gallop: path[lo] does not fit; find an index that does.
+        let (mut lo, mut step) = (0, 1);
+        let (mut hi, mut hi_peak) = loop {
+            let i = lo + step;
+            let i = if extend(&mut path, i) {
+                i
+            } else {
+                path.len() - 1
+            };
+            if i == lo {
+                return Ok(None);
+            }
+            match fits(&path[i])? {
+                Some(pk) => break (i, pk),
+                None if i < lo + step => return Ok(None),
+                None => (lo, step) = (i, step * 2),
+            }
+        };
+        // Bisect: path[lo] does not fit, path[hi] does.
+        while hi - lo > 1 {
+            let mid = lo + (hi - lo) / 2;
+            match fits(&path[mid])? {
+                Some(pk) => (hi, hi_peak) = (mid, pk),
+                None => lo = mid,
+            }
+        }
+        Ok(Some((path.swap_remove(hi), hi_peak)))
     }
 }
