@@ -45,10 +45,11 @@
 //! recompute + codec time per step fell from 0.63 s to 0.36-0.43 s over three runs at the
 //! same budget and risk target). It is bounded to 32 new simulations per microbatch (on
 //! the bench decoder 94% of the changes it took came within its first 32 simulations,
-//! 82% within 4; a simulation costs about 60 us there), a change whose plan did not fit
-//! is not simulated again in the same search, and simulated peaks are shared between the
-//! microbatches of a step, so it stays a small part of the solve time (15-45 ms per step
-//! of 17 microbatches there, against 129 ms with 96 simulations and no such memory).
+//! 82% within 4), a change whose plan did not fit is not simulated again in the same
+//! search, and simulated peaks are shared between the microbatches of a step (keyed by
+//! every instance's fidelity; the simulator takes those directly, without a [`Plan`]), so
+//! it stays a small part of the solve time: the whole solve, the greedy starts below
+//! included, took 33-42 ms per step of 17 microbatches there (0.7% of the step).
 //!
 //! The search only moves one group at a time, so it cannot leave the shape of the plan it
 //! starts from. Where the budget is tight the knapsack's plan can be of a slow shape (on
@@ -59,8 +60,9 @@
 //! `seconds + lambda * risk` per byte saved, with the step's multiplier `lambda` and with
 //! none (the Adacc-style order), within the risk the step leaves the microbatch, until the
 //! exact peak fits (bisected along the greedy's path, a few simulations); the fastest of
-//! the searched plans is kept. The planner's plan is therefore never slower, by its own
-//! cost model, than the greedy with the same exposure and risk budget.
+//! the searched plans is kept. For one microbatch the planner's plan is therefore never
+//! slower, by its own cost model, than the greedy's with the same exposure and risk
+//! budget.
 //!
 //! The capacities are searched for the DP's fastest plans, ignoring the risk. When no DP
 //! plan within them meets the risk budget (a tight budget, compression that costs next to
