@@ -551,6 +551,26 @@ impl DecoderConfig {
         }
     }
 
+    /// The benchmark decoder of `hilore bench`: 4 layers, hidden 192, MLP 512, 6 query
+    /// heads sharing 2 key/value heads of size 32, vocabulary 1024, untied head (2.0 M
+    /// parameters). Big enough that recompute is a real share of the step on a small CPU;
+    /// with 896-row microbatches, under full recompute the ledger's peak (saved
+    /// activations, transients, activation gradients) is about a third of the total
+    /// actor-update peak, as in a single-GPU GRPO run of a small model (the rest being
+    /// parameters, gradients and AdamW state at 16 bytes per parameter).
+    pub fn bench() -> Self {
+        DecoderConfig {
+            vocab_size: 1024,
+            hidden_size: 192,
+            intermediate_size: 512,
+            num_hidden_layers: 4,
+            num_attention_heads: 6,
+            num_key_value_heads: 2,
+            head_dim: 32,
+            ..DecoderConfig::tiny()
+        }
+    }
+
     /// Reads an HF `config.json`. Errors name the file and the field.
     pub fn from_json_file(path: impl AsRef<Path>) -> Result<Self, ModelError> {
         let path = path.as_ref();

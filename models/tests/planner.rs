@@ -11,19 +11,6 @@ use hilore_runtime::{Cx, Grads, Plan};
 
 const CODECS: [&str; 4] = ["bf16", "fp8-e4m3-b32", "int8-b32", "int4-g32"];
 
-fn cfg() -> DecoderConfig {
-    DecoderConfig {
-        vocab_size: 1024,
-        hidden_size: 192,
-        intermediate_size: 512,
-        num_hidden_layers: 4,
-        num_attention_heads: 6,
-        num_key_value_heads: 2,
-        head_dim: 32,
-        ..DecoderConfig::tiny()
-    }
-}
-
 /// An allocator profiled on one 896-row microbatch, with recompute seconds per instance,
 /// codec rates and per-instance sensitivities fixed (deterministic plans).
 fn allocator() -> (Allocator, MicrobatchShape) {
@@ -33,7 +20,7 @@ fn allocator() -> (Allocator, MicrobatchShape) {
 /// [`allocator`] with every codec's time scaled by `codec_scale`.
 fn allocator_with_codec_scale(codec_scale: f64) -> (Allocator, MicrobatchShape) {
     let dev = Device::Cpu;
-    let cfg = cfg();
+    let cfg = DecoderConfig::bench();
     let model = Decoder::random(&cfg, 7, &dev).unwrap();
     // Eight sequences, 896 rows.
     let batch = TokenBatch::random(&[161, 97, 129, 65, 193, 81, 113, 65], &cfg, 3, &dev).unwrap();

@@ -1103,26 +1103,7 @@ impl Allocator {
                     peak = gpeak;
                 }
             }
-            let mut counts: HashMap<String, usize> = HashMap::new();
-            for (_, _, f) in q.fidelities(&s.picks) {
-                *counts.entry(f.to_string()).or_default() += 1;
-            }
-            let mut counts: Vec<_> = counts.into_iter().collect();
-            counts.sort();
-            let (rc, codec) = split_seconds(&q, &s.picks);
-            out.push(Decision {
-                plan: self.plan_of_selection("hilore", &q, &s.picks),
-                predicted_peak_bytes: peak,
-                predicted_total_bytes: peak + self.state.total(),
-                predicted_seconds: s.seconds,
-                predicted_recompute_seconds: rc,
-                predicted_codec_seconds: codec,
-                predicted_risk: s.risk.sqrt(),
-                lambda: s.lambda,
-                solve_seconds: 0.0,
-                exact_checks: checks,
-                counts,
-            });
+            out.push(self.decision("hilore", &q, &s, peak, checks));
         }
         let per = t0.elapsed().as_secs_f64() / mbs.len().max(1) as f64;
         for d in &mut out {
@@ -1250,28 +1231,41 @@ impl Allocator {
         else {
             return Err(self.infeasible_memory(total_budget, offer));
         };
-        let plan = self.plan_of_selection("adacc-style", &p, &picks);
-        let (secs, risk, _) = p.totals(&picks);
+        let mut d = self.decision("adacc-style", &p, &p.selection(picks, 0.0), peak, checks);
+        d.solve_seconds = t0.elapsed().as_secs_f64();
+        Ok(d)
+    }
+
+    /// The decision of a selection `s` of `p` whose exact peak is `peak` (solve seconds
+    /// left at 0 for the caller).
+    fn decision(
+        &self,
+        name: &str,
+        p: &Problem,
+        s: &Selection,
+        peak: usize,
+        checks: usize,
+    ) -> Decision {
         let mut counts: HashMap<String, usize> = HashMap::new();
-        for (_, _, f) in p.fidelities(&picks) {
+        for (_, _, f) in p.fidelities(&s.picks) {
             *counts.entry(f.to_string()).or_default() += 1;
         }
         let mut counts: Vec<_> = counts.into_iter().collect();
         counts.sort();
-        let (rc, codec) = split_seconds(&p, &picks);
-        Ok(Decision {
-            plan,
+        let (rc, codec) = split_seconds(p, &s.picks);
+        Decision {
+            plan: self.plan_of_selection(name, p, &s.picks),
             predicted_peak_bytes: peak,
             predicted_total_bytes: peak + self.state.total(),
-            predicted_seconds: secs,
+            predicted_seconds: s.seconds,
             predicted_recompute_seconds: rc,
             predicted_codec_seconds: codec,
-            predicted_risk: risk.sqrt(),
-            lambda: 0.0,
-            solve_seconds: t0.elapsed().as_secs_f64(),
+            predicted_risk: s.risk.sqrt(),
+            lambda: s.lambda,
+            solve_seconds: 0.0,
             exact_checks: checks,
             counts,
-        })
+        }
     }
 
     /// Every instance stored (every group opened where it can be): where the greedy by

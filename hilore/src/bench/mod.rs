@@ -709,7 +709,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
     let device: Device = crate::common::device();
     let cfg = match &args.config {
         Some(p) => crate::common::load_config(Some(p))?,
-        None => workload::default_config(),
+        None => DecoderConfig::bench(),
     };
     let codecs: Vec<&'static str> = args
         .codecs

@@ -5,31 +5,6 @@ use hilore_models::rng::SplitMix64;
 use hilore_models::{DecoderConfig, TokenBatch};
 use hilore_runtime::allocator::{microbatch_input, MicrobatchInput};
 
-/// The default benchmark decoder: a Llama-style model big enough that recompute is a real
-/// share of the step on a small CPU, sized with the microbatch so that under full
-/// recompute the ledger's peak (saved activations, transients, activation gradients) is
-/// about a third of the total actor-update peak, as in a single-GPU GRPO run of a small
-/// model (the rest being parameters, gradients and AdamW state at 16 bytes per
-/// parameter).
-pub fn default_config() -> DecoderConfig {
-    DecoderConfig {
-        vocab_size: 1024,
-        hidden_size: 192,
-        intermediate_size: 512,
-        num_hidden_layers: 4,
-        num_attention_heads: 6,
-        num_key_value_heads: 2,
-        head_dim: 32,
-        rms_norm_eps: 1e-6,
-        rope_theta: 10000.0,
-        tie_word_embeddings: false,
-        max_position_embeddings: 4096,
-        attention_bias: false,
-        model_type: Some("llama".into()),
-        ..DecoderConfig::tiny()
-    }
-}
-
 /// One microbatch of the actor update.
 #[derive(Debug, Clone)]
 pub struct Microbatch {
