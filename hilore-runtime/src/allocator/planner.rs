@@ -517,12 +517,19 @@ impl Allocator {
             .layout
             .iter()
             .flat_map(|l| std::iter::once(l.top).chain(l.children.iter().copied()));
-        let chosen = problem
+        let mut chosen = problem
             .chosen(picks)
             .flat_map(|c| c.fidelities.iter().map(|f| f.2));
-        for (i, f) in order.zip(chosen) {
-            fids[i] = f;
+        for i in order {
+            match chosen.next() {
+                Some(f) => fids[i] = f,
+                None => debug_assert!(false, "a selection sets fewer fidelities than the layout"),
+            }
         }
+        debug_assert!(
+            chosen.next().is_none(),
+            "a selection sets more fidelities than the layout"
+        );
         fids
     }
 
