@@ -1,7 +1,7 @@
 //! SiLU and SwiGLU.
 
 use super::util::{any_grad, grad_if};
-use super::{Op, Saved};
+use super::{cpu, Op, Saved};
 use crate::error::shape_err;
 use crate::{Cx, Error, Result, Var};
 use candle_core::Tensor;
@@ -26,7 +26,17 @@ impl Op for Silu {
     }
 
     fn backward(&self, s: &[Tensor], g: &Tensor, need: &[bool]) -> Result<Vec<Option<Tensor>>> {
-        Ok(vec![grad_if(need[0], || Ok((g * silu_grad(&s[0])?)?))?])
+        Ok(vec![grad_if(need[0], || {
+            if cpu::all_host_f32(&[&s[0], g]) {
+                let (x, g) = (cpu::dense(&s[0])?, cpu::dense(g)?);
+                let (xv, gv) = (cpu::values(&x)?, cpu::values(&g)?);
+                return cpu::tensor(
+                    cpu::rows::silu_backward(xv.get(), gv.get()),
+                    x.shape().clone(),
+                );
+            }
+            Ok((g * silu_grad(&s[0])?)?)
+        })?])
     }
 }
 
@@ -39,6 +49,9 @@ impl Op for Swiglu {
 
     fn backward(&self, s: &[Tensor], g: &Tensor, need: &[bool]) -> Result<Vec<Option<Tensor>>> {
         let gate = &s[0];
+        if cpu::all_host_f32(&[gate, g]) && s.get(1).is_none_or(|u| cpu::all_host_f32(&[u])) {
+            return swiglu_backward_cpu(s, g, need);
+        }
         let dgate = grad_if(need[0], || {
             let up = s.get(1).ok_or_else(|| {
                 Error::Tape(
@@ -52,10 +65,40 @@ impl Op for Swiglu {
     }
 }
 
+/// The SwiGLU backward on the CPU kernels.
+fn swiglu_backward_cpu(s: &[Tensor], g: &Tensor, need: &[bool]) -> Result<Vec<Option<Tensor>>> {
+    let (gate, g) = (cpu::dense(&s[0])?, cpu::dense(g)?);
+    let (xv, gv) = (cpu::values(&gate)?, cpu::values(&g)?);
+    let shape = gate.shape().clone();
+    let dgate = grad_if(need[0], || {
+        let up = s.get(1).ok_or_else(|| {
+            Error::Tape(
+                "swiglu: d gate requested but gate wanted no gradient in the forward".into(),
+            )
+        })?;
+        let up = cpu::dense(up)?;
+        let uv = cpu::values(&up)?;
+        cpu::tensor(
+            cpu::rows::swiglu_dgate(xv.get(), uv.get(), gv.get()),
+            shape.clone(),
+        )
+    })?;
+    let dup = grad_if(need[1], || {
+        cpu::tensor(cpu::rows::swiglu_dup(xv.get(), gv.get()), shape.clone())
+    })?;
+    Ok(vec![dgate, dup])
+}
+
 impl<'m> Cx<'m> {
     /// `x * sigmoid(x)`. Saves `x` ([`Saved::for_var`]) when it wants a gradient.
     pub fn silu(&mut self, x: &Var) -> Result<Var> {
-        let y = x.tensor.silu()?;
+        let y = if cpu::all_host_f32(&[&x.tensor]) {
+            let xt = cpu::dense(&x.tensor)?;
+            let y = cpu::rows::silu_forward(cpu::values(&xt)?.get());
+            cpu::tensor(y, x.shape().clone())?
+        } else {
+            x.tensor.silu()?
+        };
         let saved = if x.requires_grad() {
             vec![Saved::for_var(x)]
         } else {
@@ -77,7 +120,13 @@ impl<'m> Cx<'m> {
                 ),
             );
         }
-        let y = (gate.tensor.silu()? * &up.tensor)?;
+        let y = if cpu::all_host_f32(&[&gate.tensor, &up.tensor]) {
+            let (gt, ut) = (cpu::dense(&gate.tensor)?, cpu::dense(&up.tensor)?);
+            let (gv, uv) = (cpu::values(&gt)?, cpu::values(&ut)?);
+            cpu::tensor(cpu::rows::swiglu(gv.get(), uv.get()), gate.shape().clone())?
+        } else {
+            (gate.tensor.silu()? * &up.tensor)?
+        };
         let mut saved = Vec::new();
         if any_grad(&[gate, up]) {
             saved.push(Saved::for_var(gate));

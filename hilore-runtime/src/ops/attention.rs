@@ -3,7 +3,7 @@
 //! log-sum-exp instead of keeping them.
 
 use super::util::{any_grad, causal_mask, grad_if, mm, write_at};
-use super::{Op, Saved};
+use super::{cpu, Op, Saved};
 use crate::error::shape_err;
 use crate::{Cx, Error, Packing, Result, Var};
 use candle_core::Tensor;
@@ -69,6 +69,46 @@ fn attention_mask(
     Ok(Tensor::from_vec(m, (t, t), dev)?.to_dtype(dtype)?)
 }
 
+/// The forward on candle's ops (GPU tensors, other dtypes): `(o, lse)`.
+fn attention_candle(
+    q: &Var,
+    k: &Var,
+    v: &Var,
+    packing: &Packing,
+    scale: f64,
+    window: Option<usize>,
+    dims: Dims,
+) -> Result<(Tensor, Tensor)> {
+    let Dims { hq, hkv, d } = dims;
+    let gs = dims.group();
+    let n = q.dim(0)?;
+    let (dt, dev) = (q.dtype(), q.device());
+    let offsets = packing.offsets();
+    let out = Tensor::zeros((n, hq, d), dt, dev)?;
+    let lse = Tensor::zeros((hq, n), dt, dev)?;
+    let tmax = packing.lengths().into_iter().max().unwrap_or(0);
+    let mask = attention_mask(tmax, window, dt, dev)?;
+    for w in offsets.windows(2) {
+        let (start, t) = (w[0], w[1] - w[0]);
+        let qs = heads(&q.tensor, start, t, scale)?;
+        let kh = heads(&k.tensor, start, t, 1.0)?;
+        let vh = heads(&v.tensor, start, t, 1.0)?;
+        let s = scores(&qs, &kh, &mask, dims)?;
+        drop((qs, kh));
+        // Stable softmax: the diagonal is never masked, so every row max is finite.
+        let m = s.max_keepdim(2)?;
+        let e = s.broadcast_sub(&m)?.exp()?;
+        drop(s);
+        let l = e.sum_keepdim(2)?;
+        let p = e.broadcast_div(&l)?.reshape((hkv, gs * t, t))?;
+        drop(e);
+        let o = mm(&p, &vh)?.reshape((hq, t, d))?;
+        write_at(&out, &o.transpose(0, 1)?, 0, start)?;
+        write_at(&lse, &(m + l.log()?)?.squeeze(2)?, 1, start)?;
+    }
+    Ok((out, lse))
+}
+
 struct Attention {
     offsets: Vec<usize>,
     dims: Dims,
@@ -93,6 +133,11 @@ impl Op for Attention {
                  so v and o were not saved"
                     .into(),
             ));
+        }
+        if cpu::all_host_f32(&[q, k, lse, g])
+            && (!self.saved_vo || cpu::all_host_f32(&[&s[3], &s[4]]))
+        {
+            return self.backward_cpu(s, g, need);
         }
         let Dims { hq, hkv, d } = self.dims;
         let gs = self.dims.group();
@@ -152,6 +197,65 @@ impl Op for Attention {
             }
         }
         Ok(vec![dq, dk, dv])
+    }
+}
+
+impl Attention {
+    fn geometry(&self) -> cpu::attention::Geometry {
+        cpu::attention::Geometry {
+            hq: self.dims.hq,
+            hkv: self.dims.hkv,
+            d: self.dims.d,
+            scale: self.scale as f32,
+            window: self.window,
+        }
+    }
+
+    /// The backward on the CPU flash-attention kernel.
+    fn backward_cpu(&self, s: &[Tensor], g: &Tensor, need: &[bool]) -> Result<Vec<Option<Tensor>>> {
+        let (q, k, lse, g) = (
+            cpu::dense(&s[0])?,
+            cpu::dense(&s[1])?,
+            cpu::dense(&s[2])?,
+            cpu::dense(g)?,
+        );
+        let vo = if self.saved_vo {
+            Some((cpu::dense(&s[3])?, cpu::dense(&s[4])?))
+        } else {
+            None
+        };
+        let (qv, kv, lv, gv) = (
+            cpu::values(&q)?,
+            cpu::values(&k)?,
+            cpu::values(&lse)?,
+            cpu::values(&g)?,
+        );
+        let vo_vals = match &vo {
+            Some((v, o)) => Some((cpu::values(v)?, cpu::values(o)?)),
+            None => None,
+        };
+        let n = q.dim(0)?;
+        let spans = cpu::attention::sequence_spans(&self.offsets);
+        let (dq, dk, dv) = cpu::attention::backward(
+            qv.get(),
+            kv.get(),
+            vo_vals.as_ref().map(|(v, o)| cpu::attention::VO {
+                v: v.get(),
+                o: o.get(),
+            }),
+            lv.get(),
+            gv.get(),
+            n,
+            self.geometry(),
+            &spans,
+            [need[0], need[1], need[2]],
+        )?;
+        let Dims { hq, hkv, d } = self.dims;
+        Ok(vec![
+            dq.map(|x| cpu::tensor(x, (n, hq, d))).transpose()?,
+            dk.map(|x| cpu::tensor(x, (n, hkv, d))).transpose()?,
+            dv.map(|x| cpu::tensor(x, (n, hkv, d))).transpose()?,
+        ])
     }
 }
 
@@ -224,31 +328,27 @@ impl<'m> Cx<'m> {
             );
         }
         let dims = Dims { hq, hkv, d };
-        let gs = dims.group();
-        let (dt, dev) = (q.dtype(), q.device());
-        let out = Tensor::zeros((n, hq, d), dt, dev)?;
-        let lse = Tensor::zeros((hq, n), dt, dev)?;
         let offsets = packing.offsets().to_vec();
-        let tmax = packing.lengths().into_iter().max().unwrap_or(0);
-        let mask = attention_mask(tmax, window, dt, dev)?;
-        for w in offsets.windows(2) {
-            let (start, t) = (w[0], w[1] - w[0]);
-            let qs = heads(&q.tensor, start, t, scale)?;
-            let kh = heads(&k.tensor, start, t, 1.0)?;
-            let vh = heads(&v.tensor, start, t, 1.0)?;
-            let s = scores(&qs, &kh, &mask, dims)?;
-            drop((qs, kh));
-            // Stable softmax: the diagonal is never masked, so every row max is finite.
-            let m = s.max_keepdim(2)?;
-            let e = s.broadcast_sub(&m)?.exp()?;
-            drop(s);
-            let l = e.sum_keepdim(2)?;
-            let p = e.broadcast_div(&l)?.reshape((hkv, gs * t, t))?;
-            drop(e);
-            let o = mm(&p, &vh)?.reshape((hq, t, d))?;
-            write_at(&out, &o.transpose(0, 1)?, 0, start)?;
-            write_at(&lse, &(m + l.log()?)?.squeeze(2)?, 1, start)?;
-        }
+        let (out, lse) = if cpu::all_host_f32(&[&q.tensor, &k.tensor, &v.tensor]) {
+            let (qt, kt, vt) = (
+                cpu::dense(&q.tensor)?,
+                cpu::dense(&k.tensor)?,
+                cpu::dense(&v.tensor)?,
+            );
+            let (qv, kv, vv) = (cpu::values(&qt)?, cpu::values(&kt)?, cpu::values(&vt)?);
+            let geo = cpu::attention::Geometry {
+                hq,
+                hkv,
+                d,
+                scale: scale as f32,
+                window,
+            };
+            let spans = cpu::attention::sequence_spans(&offsets);
+            let (o, l) = cpu::attention::forward(qv.get(), kv.get(), vv.get(), n, geo, &spans)?;
+            (cpu::tensor(o, (n, hq, d))?, cpu::tensor(l, (hq, n))?)
+        } else {
+            attention_candle(q, k, v, packing, scale, window, dims)?
+        };
         let saved_vo = any_grad(&[q, k]);
         let mut saved = Vec::new();
         if any_grad(&[q, k, v]) {

@@ -1,6 +1,6 @@
 //! Broadcasting add and mul, and scaling.
 
-use super::{shape_of, Op, Saved};
+use super::{cpu, shape_of, Op, Saved};
 use crate::{Cx, Result, Var};
 use candle_core::{Shape, Tensor};
 
@@ -28,6 +28,28 @@ pub fn reduce_to_shape(grad: &Tensor, shape: &Shape) -> Result<Tensor> {
         g = g.sum_keepdim(dims)?;
     }
     Ok(g.reshape(shape)?)
+}
+
+/// `a + b` with broadcasting. Host `f32` tensors of the same shape (a residual add), or a
+/// row vector added to every row (a bias), take the parallel kernels.
+pub(crate) fn add_tensors(a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    if cpu::all_host_f32(&[a, b]) {
+        let row_of = |x: &Tensor, y: &Tensor| {
+            x.rank() == 1 && y.rank() >= 1 && y.dims()[y.rank() - 1] == x.dims()[0]
+        };
+        if a.shape() == b.shape() {
+            let (at, bt) = (cpu::dense(a)?, cpu::dense(b)?);
+            let (av, bv) = (cpu::values(&at)?, cpu::values(&bt)?);
+            return cpu::tensor(cpu::rows::add(av.get(), bv.get()), a.shape().clone());
+        }
+        if row_of(b, a) || row_of(a, b) {
+            let (x, r) = if row_of(b, a) { (a, b) } else { (b, a) };
+            let (xt, rt) = (cpu::dense(x)?, cpu::dense(r)?);
+            let (xv, rv) = (cpu::values(&xt)?, cpu::values(&rt)?);
+            return cpu::tensor(cpu::rows::add_rows(xv.get(), rv.get()), x.shape().clone());
+        }
+    }
+    Ok(a.broadcast_add(b)?)
 }
 
 struct Add {
@@ -95,7 +117,7 @@ impl Op for Scale {
 impl<'m> Cx<'m> {
     /// `a + b` with broadcasting. Saves nothing.
     pub fn add(&mut self, a: &Var, b: &Var) -> Result<Var> {
-        let out = a.tensor.broadcast_add(&b.tensor)?;
+        let out = add_tensors(&a.tensor, &b.tensor)?;
         let op = Add {
             a: shape_of(&a.tensor),
             b: shape_of(&b.tensor),

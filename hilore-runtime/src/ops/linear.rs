@@ -1,7 +1,7 @@
 //! Linear layers and (batched) matrix products.
 
 use super::util::{grad_if, mm};
-use super::{shape_of, Op, Saved};
+use super::{cpu, elementwise, shape_of, Op, Saved};
 use crate::error::shape_err;
 use crate::{Cx, Error, Result, Var};
 use candle_core::{Shape, Tensor};
@@ -73,7 +73,14 @@ impl Op for Linear {
         })?;
         let mut out = vec![dx, dw];
         if self.has_bias {
-            out.push(grad_if(need[2], || Ok(g2.sum(0)?))?);
+            out.push(grad_if(need[2], || {
+                if cpu::all_host_f32(&[&g2]) {
+                    let gt = cpu::dense(&g2)?;
+                    let s = cpu::rows::sum_rows(cpu::values(&gt)?.get(), d_out);
+                    return cpu::tensor(s, d_out);
+                }
+                Ok(g2.sum(0)?)
+            })?);
         }
         Ok(out)
     }
@@ -128,7 +135,7 @@ impl<'m> Cx<'m> {
         let x2 = x.tensor.reshape((rows, d_in))?;
         let mut y = mm(&x2, &w.tensor.t()?)?;
         if let Some(b) = b {
-            y = y.broadcast_add(&b.tensor)?;
+            y = elementwise::add_tensors(&y, &b.tensor)?;
         }
         let mut out_dims = xd[..xd.len() - 1].to_vec();
         out_dims.push(d_out);

@@ -2,7 +2,7 @@
 //! the full `[tokens x vocab]` logits never exist at once.
 
 use super::util::{any_grad, mm, write_at};
-use super::{Op, Saved};
+use super::{cpu, Op, Saved};
 use crate::error::shape_err;
 use crate::{Cx, Result, Var};
 use candle_core::Tensor;
@@ -28,6 +28,36 @@ impl Op for TokenLogprobs {
     /// moment of each addition). The one-hot terms are a gather and an in-place scatter-add.
     fn backward(&self, s: &[Tensor], g: &Tensor, need: &[bool]) -> Result<Vec<Option<Tensor>>> {
         let (h, w, targets, lse) = (&s[0], &s[1], &s[2], &s[3]);
+        if cpu::all_host_f32(&[h, w, lse, g]) {
+            let (h, w, lse, g) = (
+                cpu::dense(h)?,
+                cpu::dense(w)?,
+                cpu::dense(lse)?,
+                cpu::dense(g)?,
+            );
+            let t = target_indices(targets, w.dim(0)?)?;
+            let (hv, wv, lv, gv) = (
+                cpu::values(&h)?,
+                cpu::values(&w)?,
+                cpu::values(&lse)?,
+                cpu::values(&g)?,
+            );
+            let d = h.dim(1)?;
+            let (dh, dw) = cpu::head::backward(
+                hv.get(),
+                wv.get(),
+                &t,
+                lv.get(),
+                gv.get(),
+                d,
+                self.chunk_rows,
+                [need[0], need[1]],
+            );
+            return Ok(vec![
+                dh.map(|x| cpu::tensor(x, h.shape().clone())).transpose()?,
+                dw.map(|x| cpu::tensor(x, w.shape().clone())).transpose()?,
+            ]);
+        }
         let h = h.contiguous()?;
         let (n, d) = h.dims2()?;
         let vocab = w.dim(0)?;
@@ -70,6 +100,20 @@ impl Op for TokenLogprobs {
         }
         Ok(vec![dh, dw])
     }
+}
+
+/// The targets as indices, each checked to be below `vocab`.
+fn target_indices(targets: &Tensor, vocab: usize) -> Result<Vec<usize>> {
+    let t = targets
+        .to_dtype(candle_core::DType::U32)?
+        .to_vec1::<u32>()?;
+    if let Some((i, &bad)) = t.iter().enumerate().find(|(_, &v)| v as usize >= vocab) {
+        return shape_err(
+            "token_logprobs",
+            format!("target {i} is token {bad}, outside the vocabulary of {vocab}"),
+        );
+    }
+    Ok(t.into_iter().map(|v| v as usize).collect())
 }
 
 impl<'m> Cx<'m> {
@@ -116,6 +160,14 @@ impl<'m> Cx<'m> {
         if chunk_rows == 0 {
             return shape_err("token_logprobs", "chunk_rows must be at least 1");
         }
+        if cpu::all_host_f32(&[&hidden.tensor, &w.tensor]) {
+            let (h, wt) = (cpu::dense(&hidden.tensor)?, cpu::dense(&w.tensor)?);
+            let t = target_indices(targets, w.dims()[0])?;
+            let (hv, wv) = (cpu::values(&h)?, cpu::values(&wt)?);
+            let (out, lse) = cpu::head::forward(hv.get(), wv.get(), &t, d, chunk_rows);
+            let (out, lse) = (cpu::tensor(out, n)?, cpu::tensor(lse, n)?);
+            return self.record_token_logprobs(hidden, w, targets, chunk_rows, out, lse);
+        }
         let (dt, dev) = (hidden.dtype(), hidden.device());
         let h = hidden.tensor.contiguous()?;
         let wt = w.tensor.t()?;
@@ -136,6 +188,18 @@ impl<'m> Cx<'m> {
             write_at(&lse, &(m + log_se)?.squeeze(1)?, 0, r0)?;
             r0 += c;
         }
+        self.record_token_logprobs(hidden, w, targets, chunk_rows, out, lse)
+    }
+
+    fn record_token_logprobs(
+        &mut self,
+        hidden: &Var,
+        w: &Var,
+        targets: &Tensor,
+        chunk_rows: usize,
+        out: Tensor,
+        lse: Tensor,
+    ) -> Result<Var> {
         let saved = if any_grad(&[hidden, w]) {
             vec![
                 Saved::for_var(hidden),

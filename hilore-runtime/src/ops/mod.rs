@@ -12,6 +12,7 @@ use candle_core::{Shape, Tensor};
 
 mod activation;
 mod attention;
+mod cpu;
 mod dropout;
 mod elementwise;
 mod embedding;

@@ -1,7 +1,7 @@
 //! RMSNorm.
 
 use super::util::{any_grad, grad_if};
-use super::{Op, Saved};
+use super::{cpu, Op, Saved};
 use crate::error::shape_err;
 use crate::{Cx, Error, Result, Var};
 use candle_core::{Tensor, D};
@@ -27,6 +27,9 @@ impl Op for RmsNorm {
 
     fn backward(&self, s: &[Tensor], g: &Tensor, need: &[bool]) -> Result<Vec<Option<Tensor>>> {
         let x = &s[0];
+        if cpu::all_host_f32(&[x, g]) && s.get(1).is_none_or(|w| cpu::all_host_f32(&[w])) {
+            return self.backward_cpu(s, g, need);
+        }
         let r = rstd(x, self.eps)?;
         let xhat = x.broadcast_mul(&r)?;
         // dx = r * (g w - xhat * mean(g w xhat))
@@ -49,6 +52,38 @@ impl Op for RmsNorm {
     }
 }
 
+impl RmsNorm {
+    /// The backward on the CPU kernel ([`cpu::rows::rms_norm_backward`]).
+    fn backward_cpu(&self, s: &[Tensor], g: &Tensor, need: &[bool]) -> Result<Vec<Option<Tensor>>> {
+        let x = cpu::dense(&s[0])?;
+        let d = x.dim(x.rank() - 1)?;
+        let g = cpu::dense(g)?;
+        let w = match (need[0], s.get(1)) {
+            (true, Some(w)) => Some(cpu::dense(w)?),
+            (true, None) => {
+                return Err(Error::Tape(
+                    "rms_norm: dx requested but x wanted no gradient in the forward".into(),
+                ))
+            }
+            (false, _) => None,
+        };
+        let (xv, gv) = (cpu::values(&x)?, cpu::values(&g)?);
+        let wv = w.as_ref().map(cpu::values).transpose()?;
+        let (dx, dw) = cpu::rows::rms_norm_backward(
+            xv.get(),
+            wv.as_ref().map(|w| w.get()),
+            gv.get(),
+            d,
+            self.eps as f32,
+            need[1],
+        );
+        Ok(vec![
+            dx.map(|v| cpu::tensor(v, x.shape().clone())).transpose()?,
+            dw.map(|v| cpu::tensor(v, d)).transpose()?,
+        ])
+    }
+}
+
 impl<'m> Cx<'m> {
     /// `x * rsqrt(mean(x^2, last dim) + eps) * w` for `x: [..., d]`, `w: [d]`.
     ///
@@ -68,8 +103,17 @@ impl<'m> Cx<'m> {
                 ),
             );
         }
-        let r = rstd(&x.tensor, eps)?;
-        let y = x.tensor.broadcast_mul(&r)?.broadcast_mul(&w.tensor)?;
+        let y = if cpu::all_host_f32(&[&x.tensor, &w.tensor]) {
+            let (xt, wt) = (cpu::dense(&x.tensor)?, cpu::dense(&w.tensor)?);
+            let (xv, wv) = (cpu::values(&xt)?, cpu::values(&wt)?);
+            cpu::tensor(
+                cpu::rows::rms_norm(xv.get(), wv.get(), eps as f32),
+                x.shape().clone(),
+            )?
+        } else {
+            let r = rstd(&x.tensor, eps)?;
+            x.tensor.broadcast_mul(&r)?.broadcast_mul(&w.tensor)?
+        };
         let mut saved = Vec::new();
         if any_grad(&[x, w]) {
             saved.push(Saved::for_var(x));

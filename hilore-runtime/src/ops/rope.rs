@@ -1,7 +1,7 @@
 //! Rotary position embeddings (the rotate-half convention of Llama / Hugging Face).
 
 use super::util::grad_if;
-use super::{Op, Saved};
+use super::{cpu, Op, Saved};
 use crate::error::shape_err;
 use crate::{Cx, Error, Packing, Result, Var};
 use candle_core::{DType, Device, Tensor};
@@ -112,6 +112,27 @@ impl RopeTables {
 /// broadcast over the heads of `a: [N, H, D]`. With `s` negated this is the inverse
 /// rotation, which is the backward.
 fn rotate(a: &Tensor, cos: &Tensor, sin: &Tensor, h: usize) -> Result<Tensor> {
+    rotate_signed(a, cos, sin, h, false)
+}
+
+/// [`rotate`] by `+angle`, or by `-angle` with `inverse` (the backward). Host `f32` tensors
+/// take the fused kernel ([`cpu::rows::rope`]): one pass over `a`'s rows in its
+/// `[N, H, D]` layout, instead of slicing it into halves and concatenating.
+fn rotate_signed(
+    a: &Tensor,
+    cos: &Tensor,
+    sin: &Tensor,
+    h: usize,
+    inverse: bool,
+) -> Result<Tensor> {
+    if cpu::all_host_f32(&[a, cos, sin]) {
+        let (at, ct, st) = (cpu::dense(a)?, cpu::dense(cos)?, cpu::dense(sin)?);
+        let (av, cv, sv) = (cpu::values(&at)?, cpu::values(&ct)?, cpu::values(&st)?);
+        let heads = a.dim(1)?;
+        let y = cpu::rows::rope(av.get(), cv.get(), sv.get(), heads, 2 * h, inverse);
+        return cpu::tensor(y, a.shape().clone());
+    }
+    let sin = if inverse { sin.neg()? } else { sin.clone() };
     let c = cos.unsqueeze(1)?;
     let s = sin.unsqueeze(1)?;
     let a1 = a.narrow(2, 0, h)?;
@@ -132,7 +153,7 @@ impl Op for Rope {
 
     fn backward(&self, s: &[Tensor], g: &Tensor, need: &[bool]) -> Result<Vec<Option<Tensor>>> {
         // dx1 = dy1 cos + dy2 sin; dx2 = -dy1 sin + dy2 cos: the rotation by -angle.
-        let dx = grad_if(need[0], || rotate(g, &s[0], &s[1].neg()?, self.half))?;
+        let dx = grad_if(need[0], || rotate_signed(g, &s[0], &s[1], self.half, true))?;
         Ok(vec![dx])
     }
 }

@@ -1,0 +1,488 @@
+//! Flash attention on the CPU: a tiled forward with online softmax that saves the output
+//! and the log-sum-exp, and the FlashAttention-2 backward from the log-sum-exp
+//! (`dS = P * (dP - rowsum(dO * O))`). Never a `T x T` buffer: the work is done on
+//! `BQ x BK` tiles of the scores, one tile at a time per task.
+//!
+//! Layout: `q: [N, Hq, D]`, `k, v: [N, Hkv, D]`, row-major and packed (the sequences of a
+//! batch back to back on `N`); query head `h` reads kv head `h / G`, `G = Hq / Hkv`, and the
+//! `G` query heads of a group share the group's K/V tiles (nothing is copied per query
+//! head). The output is `[N, Hq, D]`, the log-sum-exp `[Hq, N]`.
+//!
+//! Masks are computed from positions, never stored: the query rows and the key rows of
+//! attention come as [`Span`]s, a run of query rows with the runs of key rows it attends
+//! to, each run with the positions of its rows. Key `kp` is visible to query `qp` when
+//! `kp <= qp` and, with a sliding window `W`, `qp - kp < W`. A packed sequence is one span
+//! whose keys are its own rows; a layout where several sequences attend to one shared
+//! prefix is spans whose key runs are the prefix's rows and then their own (the prefix's
+//! positions first), with no change to the tile loops. Each tile is classified from the
+//! positions of its corners as hidden (skipped), fully visible, or partial (masked
+//! element by element).
+//!
+//! Parallel work: the forward's tasks are (span, kv head, query block); the backward's
+//! are (span, kv head), each owning its span's query rows of `dQ` (for the group's query
+//! heads) and the key rows of `dK`, `dV` (for its kv head), so no two tasks write the
+//! same element and every sum is taken in a fixed order (key blocks in order for `dQ`,
+//! query blocks and then the group's heads in order for `dK` and `dV`). Spans that share
+//! key rows (a shared prefix) must then go to one task, which sums their contributions to
+//! those rows in span order.
+
+use super::{dot, exp, gemm, max, sum, MatRef, SharedMut, Threads};
+use crate::{Error, Result};
+use rayon::prelude::*;
+
+/// Query rows per tile.
+const BQ: usize = 64;
+/// Key rows per tile.
+const BK: usize = 64;
+
+/// Consecutive rows `row..row + len` of the packed tensors, at positions
+/// `pos..pos + len` of their sequence.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Run {
+    pub row: usize,
+    pub pos: usize,
+    pub len: usize,
+}
+
+/// A run of query rows and the key runs they attend to.
+#[derive(Clone, Debug)]
+pub(crate) struct Span {
+    pub queries: Run,
+    pub keys: Vec<Run>,
+}
+
+/// One span per packed sequence (`offsets` as in [`crate::Packing::offsets`]): causal
+/// attention within each sequence.
+pub(crate) fn sequence_spans(offsets: &[usize]) -> Vec<Span> {
+    offsets
+        .windows(2)
+        .map(|w| {
+            let run = Run {
+                row: w[0],
+                pos: 0,
+                len: w[1] - w[0],
+            };
+            Span {
+                queries: run,
+                keys: vec![run],
+            }
+        })
+        .collect()
+}
+
+/// Head counts, head size, score scale and window.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Geometry {
+    pub hq: usize,
+    pub hkv: usize,
+    pub d: usize,
+    pub scale: f32,
+    pub window: Option<usize>,
+}
+
+impl Geometry {
+    fn group(&self) -> usize {
+        self.hq / self.hkv
+    }
+
+    fn visible(&self, qp: usize, kp: usize) -> bool {
+        kp <= qp && self.window.is_none_or(|w| qp - kp < w)
+    }
+
+    /// How a tile of queries at `qp..qp + ql` and keys at `kp..kp + kl` is masked.
+    fn tile(&self, qp: usize, ql: usize, kp: usize, kl: usize) -> Tile {
+        let (qmax, kmax) = (qp + ql - 1, kp + kl - 1);
+        let hidden = kp > qmax || self.window.is_some_and(|w| qp >= kmax + w);
+        if hidden {
+            return Tile::Hidden;
+        }
+        let full = kmax <= qp && self.window.is_none_or(|w| qmax - kp < w);
+        if full {
+            Tile::Full
+        } else {
+            Tile::Partial
+        }
+    }
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Tile {
+    Hidden,
+    Full,
+    Partial,
+}
+
+/// The key tiles of `keys`: `(row, pos, len)`, at most [`BK`] keys each.
+fn key_tiles(keys: &[Run]) -> impl Iterator<Item = Run> + '_ {
+    keys.iter().flat_map(|r| {
+        (0..r.len).step_by(BK).map(move |o| Run {
+            row: r.row + o,
+            pos: r.pos + o,
+            len: BK.min(r.len - o),
+        })
+    })
+}
+
+/// The query tiles of `queries`, at most [`BQ`] rows each.
+fn query_tiles(q: Run) -> impl Iterator<Item = Run> {
+    (0..q.len).step_by(BQ).map(move |o| Run {
+        row: q.row + o,
+        pos: q.pos + o,
+        len: BQ.min(q.len - o),
+    })
+}
+
+fn check(n: usize, spans: &[Span]) -> Result<()> {
+    let mut owner = vec![false; n];
+    for s in spans {
+        for r in std::iter::once(&s.queries).chain(&s.keys) {
+            if r.row + r.len > n || r.len == 0 {
+                return Err(Error::Tape(format!(
+                    "attention kernel: rows {}..{} outside the {n} packed rows (or empty)",
+                    r.row,
+                    r.row + r.len
+                )));
+            }
+        }
+        for r in &s.keys {
+            if owner[r.row..r.row + r.len].iter().any(|&o| o) {
+                return Err(Error::Tape(
+                    "attention kernel: two spans share key rows; group them into one backward task"
+                        .into(),
+                ));
+            }
+            owner[r.row..r.row + r.len].fill(true);
+        }
+    }
+    Ok(())
+}
+
+/// The forward: `(o [N, Hq, D], lse [Hq, N])`.
+pub(crate) fn forward(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    n: usize,
+    geo: Geometry,
+    spans: &[Span],
+) -> Result<(Vec<f32>, Vec<f32>)> {
+    check(n, spans)?;
+    let Geometry { hq, hkv, d, .. } = geo;
+    let gs = geo.group();
+    let mut out = vec![0f32; n * hq * d];
+    let mut lse = vec![0f32; hq * n];
+    let (o_ptr, lse_ptr) = (SharedMut::new(&mut out), SharedMut::new(&mut lse));
+    let tasks: Vec<(usize, usize, Run)> = spans
+        .iter()
+        .enumerate()
+        .flat_map(|(si, s)| {
+            (0..hkv).flat_map(move |kh| query_tiles(s.queries).map(move |t| (si, kh, t)))
+        })
+        .collect();
+    tasks.par_iter().for_each_init(
+        || {
+            (
+                vec![0f32; BQ * BK],
+                vec![0f32; BQ * d],
+                [0f32; BQ],
+                [0f32; BQ],
+            )
+        },
+        |(s, acc, m, l), &(si, kh, qt)| {
+            for g in 0..gs {
+                let h = kh * gs + g;
+                m.fill(f32::NEG_INFINITY);
+                l.fill(0.0);
+                acc.fill(0.0);
+                let qa = MatRef::rows(&q[(qt.row * hq + h) * d..], hq * d);
+                for kt in key_tiles(&spans[si].keys) {
+                    let tile = geo.tile(qt.pos, qt.len, kt.pos, kt.len);
+                    if tile == Tile::Hidden {
+                        continue;
+                    }
+                    let kb = &k[(kt.row * hkv + kh) * d..];
+                    // SAFETY: `s` is this task's own scratch of BQ x BK.
+                    unsafe {
+                        gemm(
+                            qt.len,
+                            kt.len,
+                            d,
+                            s.as_mut_ptr(),
+                            BK,
+                            false,
+                            qa,
+                            MatRef::rows_t(kb, hkv * d),
+                            geo.scale,
+                            Threads::One,
+                        )
+                    };
+                    for i in 0..qt.len {
+                        let row = &mut s[i * BK..i * BK + kt.len];
+                        if tile == Tile::Partial {
+                            for (j, x) in row.iter_mut().enumerate() {
+                                if !geo.visible(qt.pos + i, kt.pos + j) {
+                                    *x = f32::NEG_INFINITY;
+                                }
+                            }
+                        }
+                        let m_new = m[i].max(max(row));
+                        if m_new == f32::NEG_INFINITY {
+                            // Nothing visible to this query yet: its probabilities are 0.
+                            row.fill(0.0);
+                            continue;
+                        }
+                        let alpha = exp(m[i] - m_new);
+                        for x in row.iter_mut() {
+                            *x = exp(*x - m_new);
+                        }
+                        l[i] = l[i] * alpha + sum(row);
+                        if alpha != 1.0 {
+                            for a in &mut acc[i * d..(i + 1) * d] {
+                                *a *= alpha;
+                            }
+                        }
+                        m[i] = m_new;
+                    }
+                    // acc += P V.
+                    // SAFETY: `acc` is this task's own scratch of BQ x D.
+                    unsafe {
+                        gemm(
+                            qt.len,
+                            d,
+                            kt.len,
+                            acc.as_mut_ptr(),
+                            d,
+                            true,
+                            MatRef::rows(s, BK),
+                            MatRef::rows(&v[(kt.row * hkv + kh) * d..], hkv * d),
+                            1.0,
+                            Threads::One,
+                        )
+                    };
+                }
+                for i in 0..qt.len {
+                    let r = qt.row + i;
+                    // SAFETY: row `r`, head `h` of the output and `lse[h, r]` belong to this
+                    // task alone (its query tile and its kv head's group).
+                    let (o, ls) = unsafe {
+                        (
+                            o_ptr.slice((r * hq + h) * d, d),
+                            lse_ptr.slice(h * n + r, 1),
+                        )
+                    };
+                    if l[i] > 0.0 {
+                        let inv = 1.0 / l[i];
+                        for (o, &a) in o.iter_mut().zip(&acc[i * d..(i + 1) * d]) {
+                            *o = a * inv;
+                        }
+                        ls[0] = m[i] + l[i].ln();
+                    } else {
+                        ls[0] = f32::NEG_INFINITY;
+                    }
+                }
+            }
+        },
+    );
+    Ok((out, lse))
+}
+
+/// What the backward reads besides `q`, `k`, the log-sum-exp and `dO`: `v` and `o`, which
+/// only `dQ` and `dK` need.
+pub(crate) struct VO<'a> {
+    pub v: &'a [f32],
+    pub o: &'a [f32],
+}
+
+/// The gradients `(dQ, dK, dV)` that `need` asks for.
+#[allow(clippy::too_many_arguments, clippy::type_complexity)]
+pub(crate) fn backward(
+    q: &[f32],
+    k: &[f32],
+    vo: Option<VO<'_>>,
+    lse: &[f32],
+    g: &[f32],
+    n: usize,
+    geo: Geometry,
+    spans: &[Span],
+    need: [bool; 3],
+) -> Result<(Option<Vec<f32>>, Option<Vec<f32>>, Option<Vec<f32>>)> {
+    check(n, spans)?;
+    let Geometry { hq, hkv, d, .. } = geo;
+    let gs = geo.group();
+    let need_ds = need[0] || need[1];
+    if need_ds && vo.is_none() {
+        return Err(Error::Tape(
+            "attention kernel: dQ/dK need v and o, which were not saved".into(),
+        ));
+    }
+    let mut dq = need[0].then(|| vec![0f32; n * hq * d]);
+    let mut dk = need[1].then(|| vec![0f32; n * hkv * d]);
+    let mut dv = need[2].then(|| vec![0f32; n * hkv * d]);
+    let dq_ptr = dq.as_deref_mut().map(SharedMut::new);
+    let dk_ptr = dk.as_deref_mut().map(SharedMut::new);
+    let dv_ptr = dv.as_deref_mut().map(SharedMut::new);
+    let mut tasks: Vec<(usize, usize)> = (0..spans.len())
+        .flat_map(|si| (0..hkv).map(move |kh| (si, kh)))
+        .collect();
+    // Longest spans first, so that the last task to start is a short one.
+    tasks.sort_by_key(|&(si, _)| std::cmp::Reverse(spans[si].queries.len));
+    tasks.par_iter().for_each(|&(si, kh)| {
+        let span = &spans[si];
+        let qs = span.queries;
+        let mut p = vec![0f32; BQ * BK];
+        let mut dp = vec![0f32; BQ * BK];
+        let mut dk_acc = vec![0f32; BK * d];
+        let mut dv_acc = vec![0f32; BK * d];
+        // D_i = rowsum(dO_i * O_i) for the group's heads, `[G, len]`.
+        let dvec: Vec<f32> = match &vo {
+            Some(vo) if need_ds => (0..gs)
+                .flat_map(|gi| {
+                    let h = kh * gs + gi;
+                    (0..qs.len).map(move |i| {
+                        let at = ((qs.row + i) * hq + h) * d;
+                        dot(&g[at..at + d], &vo.o[at..at + d])
+                    })
+                })
+                .collect(),
+            _ => Vec::new(),
+        };
+        for kt in key_tiles(&span.keys) {
+            dk_acc.fill(0.0);
+            dv_acc.fill(0.0);
+            let kb = &k[(kt.row * hkv + kh) * d..];
+            for qt in query_tiles(qs) {
+                let tile = geo.tile(qt.pos, qt.len, kt.pos, kt.len);
+                if tile == Tile::Hidden {
+                    continue;
+                }
+                for gi in 0..gs {
+                    let h = kh * gs + gi;
+                    let qa = MatRef::rows(&q[(qt.row * hq + h) * d..], hq * d);
+                    let doa = MatRef::rows(&g[(qt.row * hq + h) * d..], hq * d);
+                    // P = exp(S - lse), exactly the forward's probabilities (masked: 0).
+                    // SAFETY: `p` is this task's own scratch of BQ x BK.
+                    unsafe {
+                        gemm(
+                            qt.len,
+                            kt.len,
+                            d,
+                            p.as_mut_ptr(),
+                            BK,
+                            false,
+                            qa,
+                            MatRef::rows_t(kb, hkv * d),
+                            geo.scale,
+                            Threads::One,
+                        )
+                    };
+                    for i in 0..qt.len {
+                        let ls = lse[h * n + qt.row + i];
+                        let row = &mut p[i * BK..i * BK + kt.len];
+                        for x in row.iter_mut() {
+                            *x = exp(*x - ls);
+                        }
+                        if tile == Tile::Partial {
+                            for (j, x) in row.iter_mut().enumerate() {
+                                if !geo.visible(qt.pos + i, kt.pos + j) {
+                                    *x = 0.0;
+                                }
+                            }
+                        }
+                    }
+                    if dv_ptr.is_some() {
+                        // dV += P^T dO.
+                        // SAFETY: `dv_acc` is this task's own scratch of BK x D.
+                        unsafe {
+                            gemm(
+                                kt.len,
+                                d,
+                                qt.len,
+                                dv_acc.as_mut_ptr(),
+                                d,
+                                true,
+                                MatRef::rows_t(&p, BK),
+                                doa,
+                                1.0,
+                                Threads::One,
+                            )
+                        };
+                    }
+                    let Some(vo) = vo.as_ref().filter(|_| need_ds) else {
+                        continue;
+                    };
+                    // dP = dO V^T, then dS = P * (dP - D) in place.
+                    // SAFETY: `dp` is this task's own scratch of BQ x BK.
+                    unsafe {
+                        gemm(
+                            qt.len,
+                            kt.len,
+                            d,
+                            dp.as_mut_ptr(),
+                            BK,
+                            false,
+                            doa,
+                            MatRef::rows_t(&vo.v[(kt.row * hkv + kh) * d..], hkv * d),
+                            1.0,
+                            Threads::One,
+                        )
+                    };
+                    for i in 0..qt.len {
+                        let di = dvec[gi * qs.len + (qt.row - qs.row) + i];
+                        let (pr, dr) = (&p[i * BK..i * BK + kt.len], &mut dp[i * BK..]);
+                        for (x, &pv) in dr.iter_mut().zip(pr) {
+                            *x = pv * (*x - di);
+                        }
+                    }
+                    if let Some(dq) = &dq_ptr {
+                        // dQ += scale * dS K.
+                        // SAFETY: rows of this span, heads of this kv head's group: this
+                        // task's alone.
+                        unsafe {
+                            gemm(
+                                qt.len,
+                                d,
+                                kt.len,
+                                dq.at((qt.row * hq + h) * d),
+                                hq * d,
+                                true,
+                                MatRef::rows(&dp, BK),
+                                MatRef::rows(kb, hkv * d),
+                                geo.scale,
+                                Threads::One,
+                            )
+                        };
+                    }
+                    if dk_ptr.is_some() {
+                        // dK += scale * dS^T Q.
+                        // SAFETY: `dk_acc` is this task's own scratch of BK x D.
+                        unsafe {
+                            gemm(
+                                kt.len,
+                                d,
+                                qt.len,
+                                dk_acc.as_mut_ptr(),
+                                d,
+                                true,
+                                MatRef::rows_t(&dp, BK),
+                                qa,
+                                geo.scale,
+                                Threads::One,
+                            )
+                        };
+                    }
+                }
+            }
+            for (ptr, acc) in [(&dk_ptr, &dk_acc), (&dv_ptr, &dv_acc)] {
+                if let Some(ptr) = ptr {
+                    for j in 0..kt.len {
+                        // SAFETY: key rows of this span (spans own their keys, see `check`)
+                        // at this task's kv head.
+                        let dst = unsafe { ptr.slice(((kt.row + j) * hkv + kh) * d, d) };
+                        dst.copy_from_slice(&acc[j * d..(j + 1) * d]);
+                    }
+                }
+            }
+        }
+    });
+    Ok((dq, dk, dv))
+}

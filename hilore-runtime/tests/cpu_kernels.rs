@@ -1,0 +1,313 @@
+//! The CPU kernels (host `f32` tensors) against the ops' candle path in `f64` on the same
+//! values, outputs and gradients. The `f64` path is the one `ops_fd.rs` checks against
+//! finite differences, so this ties every kernel to a verified reference.
+//!
+//! Error bound. The inputs are drawn in `f64`, rounded to `f32`, and the `f64` reference
+//! is run on the rounded values, so input rounding does not count: what is measured is the
+//! kernels' own `f32` arithmetic. With unit roundoff `u = 2^-24 = 6.0e-8`, an output that
+//! is a sum of `K` products is off by at most `gamma_K = K u` times the sum of the terms'
+//! magnitudes (a lane-split or blocked sum only lowers the effective `K`); the longest
+//! reductions here are the head's `V = 96` logits and `d = 48` features, attention's 130
+//! keys times `D = 16`, so `K <= 2100` and the worst case is `1.3e-4` of the magnitudes.
+//! Rounding errors of O(1) normal values are random, so their sum grows like `sqrt(K) u`
+//! (`2.8e-6`); gradients cancel, with `sum |terms| / |result|` about 3 for these inputs
+//! (measured in the printed figures: the observed errors sit at 1e-7 to 1e-6), and the
+//! polynomial `exp` adds 2 ulp (`1.2e-7`) per probability. We assert a relative L2 error
+//! of at most `2e-5`: twice the random-walk estimate times the cancellation (`2 * 2.8e-6 *
+//! 3 = 1.7e-5`), below the worst case, and four orders of magnitude below what a wrong
+//! mask, index, scale or missing term produces (O(1e-2) to O(1)).
+
+use candle_core::{DType, Device, Tensor};
+use hilore_runtime::{Cx, Grads, Packing, Plan, Result, RopeTables, Var};
+
+/// Relative L2 bound of the kernels' `f32` results against `f64` (see the module docs).
+const BOUND: f64 = 2e-5;
+
+struct Rng(u64);
+
+impl Rng {
+    fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    fn normal(&mut self) -> f64 {
+        let u1 = ((self.next_u64() >> 11) + 1) as f64 / (1u64 << 53) as f64;
+        let u2 = ((self.next_u64() >> 11) + 1) as f64 / (1u64 << 53) as f64;
+        (-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos()
+    }
+
+    /// Normal values, rounded to f32 (so the f64 run sees exactly the f32 inputs).
+    fn values(&mut self, dims: &[usize], scale: f64) -> Vec<f64> {
+        let n: usize = dims.iter().product();
+        (0..n)
+            .map(|_| (scale * self.normal()) as f32 as f64)
+            .collect()
+    }
+}
+
+fn tensor(v: &[f64], dims: &[usize], dt: DType) -> Tensor {
+    Tensor::from_vec(v.to_vec(), dims, &Device::Cpu)
+        .unwrap()
+        .to_dtype(dt)
+        .unwrap()
+}
+
+fn flat(t: &Tensor) -> Vec<f64> {
+    t.flatten_all()
+        .unwrap()
+        .to_dtype(DType::F64)
+        .unwrap()
+        .to_vec1::<f64>()
+        .unwrap()
+}
+
+fn rel_l2(a: &[f64], b: &[f64]) -> f64 {
+    assert_eq!(a.len(), b.len());
+    let num: f64 = a.iter().zip(b).map(|(x, y)| (x - y) * (x - y)).sum();
+    let den: f64 = b.iter().map(|y| y * y).sum();
+    (num / den.max(1e-300)).sqrt()
+}
+
+/// An op's output and the gradients of its grad-requiring inputs, in `dt`.
+type Run = (Vec<f64>, Vec<Option<Vec<f64>>>);
+
+fn run<F>(f: &F, inputs: &[(Vec<f64>, Vec<usize>, bool)], seed: &[f64], dt: DType) -> Run
+where
+    F: Fn(&mut Cx<'static>, &[Var], DType) -> Result<Var>,
+{
+    let vars: Vec<Var> = inputs
+        .iter()
+        .map(|(v, d, g)| {
+            let t = tensor(v, d, dt);
+            if *g {
+                Var::param(t)
+            } else {
+                Var::constant(t)
+            }
+        })
+        .collect();
+    let mut cx = Cx::new(Plan::store_all());
+    let y = f(&mut cx, &vars, dt).unwrap();
+    let r = tensor(seed, y.dims(), dt);
+    let mut grads = Grads::new();
+    cx.backward(&y, &r, &mut grads).unwrap();
+    let gs = vars
+        .iter()
+        .zip(inputs)
+        .map(|(v, (_, _, g))| g.then(|| flat(grads.get(v.id()).unwrap())))
+        .collect();
+    (flat(y.tensor()), gs)
+}
+
+/// Runs `f` in f32 (the kernels) and f64 (candle's ops) on the same values and checks the
+/// output and every gradient against [`BOUND`].
+fn check<F>(name: &str, inputs: &[(Vec<f64>, Vec<usize>, bool)], out_len: usize, f: F)
+where
+    F: Fn(&mut Cx<'static>, &[Var], DType) -> Result<Var>,
+{
+    let seed = Rng(0xfeed ^ out_len as u64).values(&[out_len], 1.0);
+    let (y32, g32) = run(&f, inputs, &seed, DType::F32);
+    let (y64, g64) = run(&f, inputs, &seed, DType::F64);
+    let e = rel_l2(&y32, &y64);
+    println!("{name}: output rel L2 {e:.2e}");
+    assert!(e <= BOUND, "{name}: output off by {e:.2e} > {BOUND:e}");
+    for (i, (a, b)) in g32.iter().zip(&g64).enumerate() {
+        if let (Some(a), Some(b)) = (a, b) {
+            let e = rel_l2(a, b);
+            println!("{name}: d input {i} rel L2 {e:.2e}");
+            assert!(
+                e <= BOUND,
+                "{name}: gradient of input {i} off by {e:.2e} > {BOUND:e}"
+            );
+        }
+    }
+}
+
+#[test]
+fn rms_norm_rows_and_heads() {
+    let mut r = Rng(1);
+    let x = r.values(&[37, 48], 1.0);
+    let w = r.values(&[48], 0.3).iter().map(|v| 1.0 + v).collect();
+    check(
+        "rms_norm",
+        &[(x, vec![37, 48], true), (w, vec![48], true)],
+        37 * 48,
+        |cx, v, _| cx.rms_norm(&v[0], &v[1], 1e-6),
+    );
+    // Per-head norms (Qwen3's q/k norms): rows of D inside [N, H, D]; and a frozen weight.
+    let x = r.values(&[9, 3, 16], 1.0);
+    let w = r.values(&[16], 1.0);
+    check(
+        "rms_norm heads",
+        &[(x, vec![9, 3, 16], true), (w, vec![16], false)],
+        9 * 3 * 16,
+        |cx, v, _| cx.rms_norm(&v[0], &v[1], 1e-5),
+    );
+}
+
+#[test]
+fn silu_swiglu_add_bias() {
+    let mut r = Rng(2);
+    let a = r.values(&[23, 40], 3.0);
+    let b = r.values(&[23, 40], 3.0);
+    check(
+        "silu",
+        &[(a.clone(), vec![23, 40], true)],
+        23 * 40,
+        |cx, v, _| cx.silu(&v[0]),
+    );
+    check(
+        "swiglu",
+        &[
+            (a.clone(), vec![23, 40], true),
+            (b.clone(), vec![23, 40], true),
+        ],
+        23 * 40,
+        |cx, v, _| cx.swiglu(&v[0], &v[1]),
+    );
+    check(
+        "swiglu, up only",
+        &[
+            (a.clone(), vec![23, 40], false),
+            (b.clone(), vec![23, 40], true),
+        ],
+        23 * 40,
+        |cx, v, _| cx.swiglu(&v[0], &v[1]),
+    );
+    check(
+        "add",
+        &[(a.clone(), vec![23, 40], true), (b, vec![23, 40], true)],
+        23 * 40,
+        |cx, v, _| cx.add(&v[0], &v[1]),
+    );
+    let bias = r.values(&[40], 1.0);
+    check(
+        "add bias",
+        &[
+            (a.clone(), vec![23, 40], true),
+            (bias.clone(), vec![40], true),
+        ],
+        23 * 40,
+        |cx, v, _| cx.add(&v[1], &v[0]),
+    );
+    let w = r.values(&[40, 40], 0.2);
+    check(
+        "linear with bias",
+        &[
+            (a, vec![23, 40], true),
+            (w, vec![40, 40], true),
+            (bias, vec![40], true),
+        ],
+        23 * 40,
+        |cx, v, _| cx.linear(&v[0], &v[1], Some(&v[2])),
+    );
+}
+
+#[test]
+fn rope_kernel() {
+    let mut r = Rng(3);
+    let lengths = [5, 12, 3];
+    let n: usize = lengths.iter().sum();
+    let x = r.values(&[n, 3, 16], 1.0);
+    check(
+        "rope",
+        &[(x, vec![n, 3, 16], true)],
+        n * 3 * 16,
+        |cx, v, dt| {
+            let packing = Packing::new(&lengths, &Device::Cpu)?;
+            let tables = RopeTables::new(&packing, 16, 10_000.0, dt, &Device::Cpu)?;
+            cx.rope(&v[0], &tables)
+        },
+    );
+}
+
+/// Packed sequences longer and shorter than a tile (64), a single token, partial tiles on
+/// the diagonal; grouped-query heads (6 query heads over 2 kv heads).
+const ATTN_LENGTHS: [usize; 4] = [1, 70, 130, 5];
+
+fn attention_case(window: Option<usize>, grad: [bool; 3]) {
+    let mut r = Rng(4 + window.unwrap_or(0) as u64);
+    let n: usize = ATTN_LENGTHS.iter().sum();
+    let (hq, hkv, d) = (6, 2, 16);
+    let q = r.values(&[n, hq, d], 1.0);
+    let k = r.values(&[n, hkv, d], 1.0);
+    let v = r.values(&[n, hkv, d], 1.0);
+    let name = format!("attention window {window:?} grads {grad:?}");
+    check(
+        &name,
+        &[
+            (q, vec![n, hq, d], grad[0]),
+            (k, vec![n, hkv, d], grad[1]),
+            (v, vec![n, hkv, d], grad[2]),
+        ],
+        n * hq * d,
+        |cx, vs, _| {
+            let packing = Packing::new(&ATTN_LENGTHS, &Device::Cpu)?;
+            cx.attention_windowed(&vs[0], &vs[1], &vs[2], &packing, 0.25, window)
+        },
+    );
+}
+
+#[test]
+fn attention_causal() {
+    attention_case(None, [true, true, true]);
+}
+
+#[test]
+fn attention_sliding_windows() {
+    // Windows inside one tile, one that spans tiles, one longer than every sequence. (A
+    // window of 1 makes every softmax a single 1, so dQ and dK are exactly zero and a
+    // relative error is undefined; 2 is the smallest window with a gradient.)
+    for w in [2, 7, 100, 1000] {
+        attention_case(Some(w), [true, true, true]);
+    }
+}
+
+#[test]
+fn attention_partial_gradients() {
+    // Only dV (v and o are then not saved), only dQ, only dK.
+    attention_case(None, [false, false, true]);
+    attention_case(Some(9), [true, false, false]);
+    attention_case(None, [false, true, false]);
+}
+
+#[test]
+fn token_logprobs_chunks() {
+    let mut r = Rng(5);
+    let (n, d, vocab) = (29, 48, 96);
+    let h = r.values(&[n, d], 1.0);
+    let w = r.values(&[vocab, d], 0.5);
+    let ids: Vec<u32> = (0..n)
+        .map(|_| (r.next_u64() % vocab as u64) as u32)
+        .collect();
+    // 7 rows a chunk: row chunks 7,7,7,7,1 forward, vocabulary chunks of 24 backward.
+    for chunk in [7, 64] {
+        let ids = ids.clone();
+        check(
+            &format!("token_logprobs chunk {chunk}"),
+            &[
+                (h.clone(), vec![n, d], true),
+                (w.clone(), vec![vocab, d], true),
+            ],
+            n,
+            move |cx, v, _| {
+                let t = Tensor::from_vec(ids.clone(), n, &Device::Cpu)?;
+                cx.token_logprobs(&v[0], &v[1], &t, chunk)
+            },
+        );
+    }
+}
+
+#[test]
+fn token_logprobs_rejects_targets_outside_the_vocabulary() {
+    let h = Var::param(Tensor::zeros((2, 4), DType::F32, &Device::Cpu).unwrap());
+    let w = Var::param(Tensor::zeros((5, 4), DType::F32, &Device::Cpu).unwrap());
+    let t = Tensor::from_vec(vec![1u32, 5], 2, &Device::Cpu).unwrap();
+    let mut cx = Cx::new(Plan::store_all());
+    let err = cx.token_logprobs(&h, &w, &t, 4).unwrap_err().to_string();
+    assert!(err.contains("target 1 is token 5"), "{err}");
+}
