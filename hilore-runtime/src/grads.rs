@@ -30,7 +30,7 @@ impl Grads {
     /// Adds `g` into the gradient of `id`.
     pub fn accumulate(&mut self, id: VarId, g: Tensor) -> Result<()> {
         let g = match self.map.remove(&id) {
-            Some(prev) => (prev + g)?,
+            Some(prev) => crate::ops::add_same(&prev, &g)?,
             None => g,
         };
         self.map.insert(id, g);

@@ -918,7 +918,7 @@ impl<'m> Cx<'m> {
                             let mut now = self.ledger.live_bytes_of(MemClass::Gradients);
                             let entry = match agrads.remove(&id) {
                                 Some((prev, prev_key)) => {
-                                    let sum = (prev + &gi)?;
+                                    let sum = crate::ops::add_same(&prev, &gi)?;
                                     let (skey, sbytes) = storage_of(&sum);
                                     self.ledger.add(skey, sbytes, MemClass::Gradients);
                                     now = now.max(self.ledger.live_bytes_of(MemClass::Gradients));

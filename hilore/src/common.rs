@@ -120,6 +120,102 @@ impl std::str::FromStr for Lengths {
     }
 }
 
+/// The cases of a `--lengths` list: either one batch of sequences of the listed token
+/// lengths (`256,192,320`: one case of three sequences), or one case per `LxN` group
+/// (`128x7,512x4`: seven sequences of 128 tokens, then, separately, four of 512). Each
+/// length is in tokens; a sequence of `L` tokens gives `L - 1` rows (log-probs).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LengthCases(pub Vec<LengthCase>);
+
+/// One case of [`LengthCases`]: a label (`128x7`, or the plain list itself) and the
+/// token length of every sequence of its batch.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LengthCase {
+    pub label: String,
+    pub lengths: Vec<usize>,
+}
+
+/// A sequence length of `--lengths`, at least 2 tokens.
+fn sequence_length(tok: &str, what: &str) -> Result<usize, String> {
+    let l = tok.parse::<usize>().map_err(|_| {
+        format!("`{what}` is not a sequence length: expected a whole number of tokens, like `128`")
+    })?;
+    if l < 2 {
+        return Err(format!(
+            "`{what}`: sequence length {l} is below 2 (a sequence needs one input and one target token)"
+        ));
+    }
+    Ok(l)
+}
+
+impl std::str::FromStr for LengthCases {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        let toks: Vec<&str> = s.split(',').map(str::trim).collect();
+        if let Some(i) = toks.iter().position(|t| t.is_empty()) {
+            return Err(format!(
+                "`{s}`: item {} is empty; write lengths like `256,192,320` or cases like `128x7,512x4`",
+                i + 1
+            ));
+        }
+        let grouped = toks.iter().filter(|t| t.contains(['x', 'X'])).count();
+        if grouped == 0 {
+            let lengths = toks
+                .iter()
+                .map(|t| sequence_length(t, t))
+                .collect::<Result<Vec<_>, _>>()?;
+            return Ok(LengthCases(vec![LengthCase {
+                label: lengths
+                    .iter()
+                    .map(|l| l.to_string())
+                    .collect::<Vec<_>>()
+                    .join(","),
+                lengths,
+            }]));
+        }
+        if grouped < toks.len() {
+            let plain = toks.iter().find(|t| !t.contains(['x', 'X'])).unwrap_or(&"");
+            let group = toks.iter().find(|t| t.contains(['x', 'X'])).unwrap_or(&"");
+            return Err(format!(
+                "`{plain}` has no `xN` count while `{group}` has one: write `{plain}x1` for one sequence of {plain} tokens as its own case, or list every length plainly (`128,128,512`) for one batch"
+            ));
+        }
+        toks.iter()
+            .map(|t| {
+                let (l, n) = t
+                    .split_once(['x', 'X'])
+                    .ok_or_else(|| format!("`{t}` is not a case"))?;
+                let bad = || {
+                    format!(
+                        "`{t}` is not a case: expected LENGTHxCOUNT, like `128x7` (7 sequences of 128 tokens)"
+                    )
+                };
+                if l.trim().is_empty() || n.trim().is_empty() {
+                    return Err(bad());
+                }
+                let l = sequence_length(l.trim(), t).map_err(|e| {
+                    if l.trim().parse::<usize>().is_ok() {
+                        e
+                    } else {
+                        bad()
+                    }
+                })?;
+                let n = n.trim().parse::<usize>().map_err(|_| bad())?;
+                if n == 0 {
+                    return Err(format!(
+                        "`{t}`: a case needs at least one sequence (`{l}x1`)"
+                    ));
+                }
+                Ok(LengthCase {
+                    label: format!("{l}x{n}"),
+                    lengths: vec![l; n],
+                })
+            })
+            .collect::<Result<Vec<_>, _>>()
+            .map(LengthCases)
+    }
+}
+
 /// Deterministic standard-normal values (splitmix64 + Box-Muller).
 pub fn normal_vec(n: usize, seed: u64) -> Vec<f32> {
     let mut state = seed ^ 0x5DEE_CE66_D1CE_4E5B;
@@ -284,6 +380,36 @@ mod tests {
         assert!(e.contains("not a GPU number"), "{e}");
         let e = "tpu".parse::<DeviceArg>().unwrap_err();
         assert!(e.contains("`cpu`, `cuda` and `cuda:N`"), "{e}");
+    }
+
+    #[test]
+    fn length_cases_parse() {
+        use super::{LengthCase, LengthCases};
+        let c: LengthCases = "256,192,320".parse().unwrap();
+        assert_eq!(
+            c.0,
+            vec![LengthCase {
+                label: "256,192,320".into(),
+                lengths: vec![256, 192, 320]
+            }]
+        );
+        let c: LengthCases = "128x7, 512x4".parse().unwrap();
+        assert_eq!(c.0.len(), 2);
+        assert_eq!(c.0[0].label, "128x7");
+        assert_eq!(c.0[0].lengths, vec![128; 7]);
+        assert_eq!(c.0[1].lengths, vec![512; 4]);
+        for (bad, want) in [
+            ("128x7,512", "write `512x1`"),
+            ("128xq", "expected LENGTHxCOUNT"),
+            ("x4", "expected LENGTHxCOUNT"),
+            ("128x0", "at least one sequence"),
+            ("1x4", "below 2"),
+            ("abc", "`abc` is not a sequence length"),
+            ("128,,64", "item 2 is empty"),
+        ] {
+            let e = bad.parse::<LengthCases>().unwrap_err();
+            assert!(e.contains(want), "{bad}: {e}");
+        }
     }
 
     #[cfg(not(feature = "gpu"))]

@@ -54,8 +54,11 @@ enum Command {
     /// random mixed plans; compare every parameter gradient with store-all's. Exits 1 when
     /// a recompute is not bit-identical.
     Check(check::CheckArgs),
-    /// Time forward+backward and measure peak memory of the HiLoRe tape against candle's
-    /// own autograd on the same model and batch.
+    /// Time forward+backward of the tape on a whole model under store-all and
+    /// recompute-all (and candle's own autograd, optionally): wall and CPU seconds, peak
+    /// RSS and heap growth, per-unit times, the attention core alone; the tape side of
+    /// scripts/vs-pytorch.sh.
+    #[command(after_long_help = bench_tape::AFTER_HELP)]
     BenchTape(bench_tape::BenchTapeArgs),
     /// Measure every codec on this device: round-trip error on Gaussian and heavy-tailed
     /// data, compression ratio, encode and decode bandwidth against a copy of the same
@@ -78,9 +81,9 @@ enum Command {
     /// directory): for each `{"prompt": ..., "completion": ...}` line, the completion's
     /// token ids, tokens and log-probs given the prompt.
     Score(score::ScoreArgs),
-    /// Write a zoo model back as a Hugging Face model directory (config.json,
-    /// model.safetensors with the same tensor names, tokenizer.json), loadable by
-    /// candle-transformers.
+    /// Write a zoo model (or, with --config, a model with random weights) as a Hugging
+    /// Face model directory (config.json, model.safetensors with the same tensor names,
+    /// tokenizer.json), loadable by candle-transformers and transformers.
     Export(export::ExportArgs),
 }
 

@@ -52,6 +52,16 @@ pub(crate) fn add_tensors(a: &Tensor, b: &Tensor) -> Result<Tensor> {
     Ok(a.broadcast_add(b)?)
 }
 
+/// `a + b` of two tensors of the same shape (gradient accumulation); the parallel kernel
+/// for host `f32` tensors, candle's add (which rejects other shapes) otherwise.
+pub(crate) fn add_same(a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    if a.shape() == b.shape() {
+        add_tensors(a, b)
+    } else {
+        Ok((a + b)?)
+    }
+}
+
 struct Add {
     a: Shape,
     b: Shape,

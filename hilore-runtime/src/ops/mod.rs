@@ -23,6 +23,7 @@ mod rope;
 mod util;
 mod view;
 
+pub(crate) use elementwise::add_same;
 pub use elementwise::reduce_to_shape;
 pub use rope::RopeTables;
 
