@@ -1,6 +1,11 @@
 //! Causal attention with grouped-query heads over packed variable-length sequences,
 //! flash-attention style: the backward recomputes the probabilities from the saved
 //! log-sum-exp instead of keeping them.
+//!
+//! Host `f32` tensors take the tiled CPU kernel ([`super::cpu::attention`]: `BQ x BK`
+//! tiles, never a `T x T` buffer); other tensors (a GPU's, other dtypes) take the candle
+//! path below, which works one sequence at a time with `T x T` transients. Both save the
+//! same tensors.
 
 use super::util::{any_grad, causal_mask, grad_if, mm, write_at};
 use super::{cpu, Op, Saved};
@@ -269,8 +274,8 @@ impl<'m> Cx<'m> {
     /// `q`'s dtype): all that `dV = P^T dO` reads; and, when `q` or `k` wants a gradient,
     /// also `v` ([`Saved::for_var`]) and the output `o` (`Saved::Act`), which `dQ` and
     /// `dK` read through `dS = P * (dO V^T - rowsum(dO * O))`. Never the `T x T`
-    /// probabilities: the backward recomputes them one sequence at a time (`T x T`
-    /// transients per sequence).
+    /// probabilities: the backward recomputes them tile by tile on the CPU kernel (one
+    /// sequence at a time, `T x T` transients, on candle's path).
     pub fn attention(
         &mut self,
         q: &Var,
