@@ -26,18 +26,10 @@ use std::time::Instant;
 const DEFAULT_LENGTHS: &str = "256,192,320,256";
 
 /// The units of the decoder whose forward and backward are timed one by one, in forward
-/// order (`layer` encloses the seven layer units, so it is not timed apart).
-const TIMED_UNITS: [&str; 9] = [
-    "embed",
-    "attn_norm",
-    "qkv",
-    "attn_core",
-    "attn_out",
-    "mlp_norm",
-    "gate_up",
-    "down",
-    "head",
-];
+/// order: every unit but `layer`, which encloses the seven layer units.
+fn timed_units() -> impl Iterator<Item = &'static str> {
+    plans::UNIT_NAMES.into_iter().filter(|&u| u != "layer")
+}
 
 /// Appended to `hilore bench-tape --help`.
 pub const AFTER_HELP: &str = "\
@@ -522,9 +514,8 @@ pub fn run(args: BenchTapeArgs) -> anyhow::Result<ExitCode> {
             (None, None)
         } else {
             let med = |f: &dyn Fn(&(f64, f64)) -> f64| -> BTreeMap<String, f64> {
-                TIMED_UNITS
-                    .iter()
-                    .map(|&u| {
+                timed_units()
+                    .map(|u| {
                         let v: Vec<f64> = unit_reps[ci].iter().map(|r| f(&r[u])).collect();
                         (u.to_string(), median(&v))
                     })
@@ -797,7 +788,7 @@ fn per_unit_round(model: &Decoder, case: &ModelCase, seed: u64) -> anyhow::Resul
     let g_inter = randn(&[n, cfg.intermediate_size], seed.wrapping_add(3))?;
     let leaf = |t: &Tensor| Var::param(t.clone());
 
-    let mut times: UnitTimes = TIMED_UNITS.iter().map(|&u| (u, (0.0, 0.0))).collect();
+    let mut times: UnitTimes = timed_units().map(|u| (u, (0.0, 0.0))).collect();
     let mut add = |u: &'static str, (f, bw): (f64, f64)| {
         let e = times.entry(u).or_default();
         e.0 += f;
@@ -970,7 +961,7 @@ fn print_tables(r: &Report) {
         print!(" {:>18}", c.lengths);
     }
     println!();
-    for u in TIMED_UNITS {
+    for u in timed_units() {
         print!("{u:<10}");
         for c in &with_units {
             let s = c.per_unit_seconds.as_ref().and_then(|m| m.get(u)).copied();
