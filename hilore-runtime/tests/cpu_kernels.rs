@@ -23,23 +23,10 @@ use hilore_runtime::{Cx, Grads, Packing, Plan, Result, RopeTables, Var};
 /// Relative L2 bound of the kernels' `f32` results against `f64` (see the module docs).
 const BOUND: f64 = 2e-5;
 
-struct Rng(u64);
+mod support;
+use support::Rng;
 
 impl Rng {
-    fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-
-    fn normal(&mut self) -> f64 {
-        let u1 = ((self.next_u64() >> 11) + 1) as f64 / (1u64 << 53) as f64;
-        let u2 = ((self.next_u64() >> 11) + 1) as f64 / (1u64 << 53) as f64;
-        (-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos()
-    }
-
     /// Normal values, rounded to f32 (so the f64 run sees exactly the f32 inputs).
     fn values(&mut self, dims: &[usize], scale: f64) -> Vec<f64> {
         let n: usize = dims.iter().product();

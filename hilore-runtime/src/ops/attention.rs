@@ -205,17 +205,20 @@ impl Op for Attention {
     }
 }
 
-impl Attention {
-    fn geometry(&self) -> cpu::attention::Geometry {
+impl Dims {
+    /// The CPU kernel's view of the shapes, scale and window.
+    fn geometry(self, scale: f64, window: Option<usize>) -> cpu::attention::Geometry {
         cpu::attention::Geometry {
-            hq: self.dims.hq,
-            hkv: self.dims.hkv,
-            d: self.dims.d,
-            scale: self.scale as f32,
-            window: self.window,
+            hq: self.hq,
+            hkv: self.hkv,
+            d: self.d,
+            scale: scale as f32,
+            window,
         }
     }
+}
 
+impl Attention {
     /// The backward on the CPU flash-attention kernel.
     fn backward_cpu(&self, s: &[Tensor], g: &Tensor, need: &[bool]) -> Result<Vec<Option<Tensor>>> {
         let (q, k, lse, g) = (
@@ -251,7 +254,7 @@ impl Attention {
             lv.get(),
             gv.get(),
             n,
-            self.geometry(),
+            self.dims.geometry(self.scale, self.window),
             &spans,
             [need[0], need[1], need[2]],
         )?;
@@ -341,13 +344,7 @@ impl<'m> Cx<'m> {
                 cpu::dense(&v.tensor)?,
             );
             let (qv, kv, vv) = (cpu::values(&qt)?, cpu::values(&kt)?, cpu::values(&vt)?);
-            let geo = cpu::attention::Geometry {
-                hq,
-                hkv,
-                d,
-                scale: scale as f32,
-                window,
-            };
+            let geo = dims.geometry(scale, window);
             let spans = cpu::attention::sequence_spans(&offsets);
             let (o, l) = cpu::attention::forward(qv.get(), kv.get(), vv.get(), n, geo, &spans)?;
             (cpu::tensor(o, (n, hq, d))?, cpu::tensor(l, (hq, n))?)

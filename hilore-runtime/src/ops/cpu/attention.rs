@@ -157,6 +157,29 @@ fn check(n: usize, spans: &[Span]) -> Result<()> {
     Ok(())
 }
 
+/// The scaled scores `S = scale * Q K^T` of a tile into `s` (`BQ x BK`, row stride `BK`):
+/// the query tile's rows of one query head (`qa`) against the key tile's rows of their kv
+/// head (`kb`, rows `Hkv * D` apart). The forward and the backward both call this, so the
+/// backward's probabilities are the forward's bit for bit.
+fn scores(s: &mut [f32], qa: MatRef<'_>, kb: &[f32], qt: Run, kt: Run, geo: Geometry) {
+    assert!(s.len() >= BQ * BK && qt.len <= BQ && kt.len <= BK);
+    // SAFETY: `s` is an exclusive slice holding the BQ x BK tile (checked above).
+    unsafe {
+        gemm(
+            qt.len,
+            kt.len,
+            geo.d,
+            s.as_mut_ptr(),
+            BK,
+            false,
+            qa,
+            MatRef::rows_t(kb, geo.hkv * geo.d),
+            geo.scale,
+            Threads::One,
+        )
+    };
+}
+
 /// The forward: `(o [N, Hq, D], lse [Hq, N])`.
 pub(crate) fn forward(
     q: &[f32],
@@ -200,22 +223,7 @@ pub(crate) fn forward(
                     if tile == Tile::Hidden {
                         continue;
                     }
-                    let kb = &k[(kt.row * hkv + kh) * d..];
-                    // SAFETY: `s` is this task's own scratch of BQ x BK.
-                    unsafe {
-                        gemm(
-                            qt.len,
-                            kt.len,
-                            d,
-                            s.as_mut_ptr(),
-                            BK,
-                            false,
-                            qa,
-                            MatRef::rows_t(kb, hkv * d),
-                            geo.scale,
-                            Threads::One,
-                        )
-                    };
+                    scores(s, qa, &k[(kt.row * hkv + kh) * d..], qt, kt, geo);
                     for i in 0..qt.len {
                         let row = &mut s[i * BK..i * BK + kt.len];
                         if tile == Tile::Partial {
@@ -360,21 +368,7 @@ pub(crate) fn backward(
                     let qa = MatRef::rows(&q[(qt.row * hq + h) * d..], hq * d);
                     let doa = MatRef::rows(&g[(qt.row * hq + h) * d..], hq * d);
                     // P = exp(S - lse), exactly the forward's probabilities (masked: 0).
-                    // SAFETY: `p` is this task's own scratch of BQ x BK.
-                    unsafe {
-                        gemm(
-                            qt.len,
-                            kt.len,
-                            d,
-                            p.as_mut_ptr(),
-                            BK,
-                            false,
-                            qa,
-                            MatRef::rows_t(kb, hkv * d),
-                            geo.scale,
-                            Threads::One,
-                        )
-                    };
+                    scores(&mut p, qa, kb, qt, kt, geo);
                     for i in 0..qt.len {
                         let ls = lse[h * n + qt.row + i];
                         let row = &mut p[i * BK..i * BK + kt.len];

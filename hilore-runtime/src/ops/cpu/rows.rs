@@ -11,22 +11,41 @@ fn rstd(x: &[f32], eps: f32) -> f32 {
     1.0 / (dot(x, x) / x.len() as f32 + eps).sqrt()
 }
 
-/// `y = x * rstd(x) * w` per row of `d = w.len()` elements.
-pub(crate) fn rms_norm(x: &[f32], w: &[f32], eps: f32) -> Vec<f32> {
-    let d = w.len();
+/// `y` with `f(n, y_n, x_n)` applied to every row `n` of `row` elements, in parallel pieces
+/// of rows.
+fn map_rows(x: &[f32], row: usize, f: impl Fn(usize, &mut [f32], &[f32]) + Sync) -> Vec<f32> {
     let mut y = vec![0f32; x.len()];
-    let piece = rows_per_piece(d) * d;
-    y.par_chunks_mut(piece)
-        .zip(x.par_chunks(piece))
-        .for_each(|(y, x)| {
-            for (y, x) in y.chunks_exact_mut(d).zip(x.chunks_exact(d)) {
-                let r = rstd(x, eps);
-                for ((y, &x), &w) in y.iter_mut().zip(x).zip(w) {
-                    *y = x * r * w;
-                }
+    let per = rows_per_piece(row);
+    y.par_chunks_mut(per * row)
+        .zip(x.par_chunks(per * row))
+        .enumerate()
+        .for_each(|(p, (y, x))| {
+            for (t, (y, x)) in y.chunks_exact_mut(row).zip(x.chunks_exact(row)).enumerate() {
+                f(p * per + t, y, x);
             }
         });
     y
+}
+
+/// The sum of per-piece partial rows of `d` elements, in piece order.
+fn sum_in_order(partials: impl IntoIterator<Item = Vec<f32>>, d: usize) -> Vec<f32> {
+    let mut s = vec![0f32; d];
+    for p in partials {
+        for (a, b) in s.iter_mut().zip(p) {
+            *a += b;
+        }
+    }
+    s
+}
+
+/// `y = x * rstd(x) * w` per row of `d = w.len()` elements.
+pub(crate) fn rms_norm(x: &[f32], w: &[f32], eps: f32) -> Vec<f32> {
+    map_rows(x, w.len(), |_, y, x| {
+        let r = rstd(x, eps);
+        for ((y, &x), &w) in y.iter_mut().zip(x).zip(w) {
+            *y = x * r * w;
+        }
+    })
 }
 
 /// The gradients of [`rms_norm`]: `dx = r (g w - xhat mean(g w xhat))` when `w` is given
@@ -81,15 +100,7 @@ pub(crate) fn rms_norm_backward(
             .map(|(x, g)| work(x, g, None))
             .collect(),
     };
-    let dw = need_dw.then(|| {
-        let mut dw = vec![0f32; d];
-        for p in partials.into_iter().flatten() {
-            for (a, b) in dw.iter_mut().zip(p) {
-                *a += b;
-            }
-        }
-        dw
-    });
+    let dw = need_dw.then(|| sum_in_order(partials.into_iter().flatten(), d));
     (dx, dw)
 }
 
@@ -183,19 +194,11 @@ pub(crate) fn add(a: &[f32], b: &[f32]) -> Vec<f32> {
 
 /// `x + b` with `b` broadcast over the rows of `x` (a bias).
 pub(crate) fn add_rows(x: &[f32], b: &[f32]) -> Vec<f32> {
-    let d = b.len();
-    let mut y = vec![0f32; x.len()];
-    let piece = rows_per_piece(d) * d;
-    y.par_chunks_mut(piece)
-        .zip(x.par_chunks(piece))
-        .for_each(|(y, x)| {
-            for (y, x) in y.chunks_exact_mut(d).zip(x.chunks_exact(d)) {
-                for ((y, &x), &b) in y.iter_mut().zip(x).zip(b) {
-                    *y = x + b;
-                }
-            }
-        });
-    y
+    map_rows(x, b.len(), |_, y, x| {
+        for ((y, &x), &b) in y.iter_mut().zip(x).zip(b) {
+            *y = x + b;
+        }
+    })
 }
 
 /// The sum over rows of `g: [rows, d]` (a bias gradient), by pieces in order.
@@ -213,13 +216,7 @@ pub(crate) fn sum_rows(g: &[f32], d: usize) -> Vec<f32> {
             s
         })
         .collect();
-    let mut s = vec![0f32; d];
-    for p in partials {
-        for (a, b) in s.iter_mut().zip(p) {
-            *a += b;
-        }
-    }
-    s
+    sum_in_order(partials, d)
 }
 
 /// Rotary embedding of `x: [N, H, D]` with `cos, sin: [N, D/2]`:
@@ -234,33 +231,23 @@ pub(crate) fn rope(
     inverse: bool,
 ) -> Vec<f32> {
     let half = d / 2;
-    let row = h * d;
-    let mut y = vec![0f32; x.len()];
-    let per = rows_per_piece(row);
-    y.par_chunks_mut(per * row)
-        .zip(x.par_chunks(per * row))
-        .enumerate()
-        .for_each(|(p, (y, x))| {
-            for (t, (y, x)) in y.chunks_exact_mut(row).zip(x.chunks_exact(row)).enumerate() {
-                let n = p * per + t;
-                let c = &cos[n * half..(n + 1) * half];
-                let s = &sin[n * half..(n + 1) * half];
-                for (y, x) in y.chunks_exact_mut(d).zip(x.chunks_exact(d)) {
-                    let (x1, x2) = x.split_at(half);
-                    let (y1, y2) = y.split_at_mut(half);
-                    if inverse {
-                        for i in 0..half {
-                            y1[i] = x1[i] * c[i] + x2[i] * s[i];
-                            y2[i] = x2[i] * c[i] - x1[i] * s[i];
-                        }
-                    } else {
-                        for i in 0..half {
-                            y1[i] = x1[i] * c[i] - x2[i] * s[i];
-                            y2[i] = x2[i] * c[i] + x1[i] * s[i];
-                        }
-                    }
+    map_rows(x, h * d, |n, y, x| {
+        let c = &cos[n * half..(n + 1) * half];
+        let s = &sin[n * half..(n + 1) * half];
+        for (y, x) in y.chunks_exact_mut(d).zip(x.chunks_exact(d)) {
+            let (x1, x2) = x.split_at(half);
+            let (y1, y2) = y.split_at_mut(half);
+            if inverse {
+                for i in 0..half {
+                    y1[i] = x1[i] * c[i] + x2[i] * s[i];
+                    y2[i] = x2[i] * c[i] - x1[i] * s[i];
+                }
+            } else {
+                for i in 0..half {
+                    y1[i] = x1[i] * c[i] - x2[i] * s[i];
+                    y2[i] = x2[i] * c[i] + x1[i] * s[i];
                 }
             }
-        });
-    y
+        }
+    })
 }
