@@ -26,7 +26,7 @@
 //! key rows (a shared prefix) must then go to one task, which sums their contributions to
 //! those rows in span order.
 
-use super::{dot, exp, gemm, max, sum, MatRef, SharedMut, Threads};
+use super::{dot, exp, exp_shift_scale, exp_shift_sum, gemm, max, MatRef, SharedMut, Threads};
 use crate::{Error, Result};
 use rayon::prelude::*;
 
@@ -240,10 +240,7 @@ pub(crate) fn forward(
                             continue;
                         }
                         let alpha = exp(m[i] - m_new);
-                        for x in row.iter_mut() {
-                            *x = exp(*x - m_new);
-                        }
-                        l[i] = l[i] * alpha + sum(row);
+                        l[i] = l[i] * alpha + exp_shift_sum(row, m_new);
                         if alpha != 1.0 {
                             for a in &mut acc[i * d..(i + 1) * d] {
                                 *a *= alpha;
@@ -372,9 +369,7 @@ pub(crate) fn backward(
                     for i in 0..qt.len {
                         let ls = lse[h * n + qt.row + i];
                         let row = &mut p[i * BK..i * BK + kt.len];
-                        for x in row.iter_mut() {
-                            *x = exp(*x - ls);
-                        }
+                        exp_shift_scale(row, ls, 1.0);
                         if tile == Tile::Partial {
                             for (j, x) in row.iter_mut().enumerate() {
                                 if !geo.visible(qt.pos + i, kt.pos + j) {

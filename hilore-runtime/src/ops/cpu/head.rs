@@ -4,7 +4,7 @@
 //! backward per vocabulary chunk (the GEMM, `-g p` in place in one parallel pass, then
 //! the two GEMMs that read it).
 
-use super::{gemm_into, max, sum_exp, MatRef};
+use super::{exp_shift_scale, gemm_into, max, sum_exp, MatRef};
 use rayon::prelude::*;
 
 /// `(logp [N], lse [N])` for `h: [N, d]`, `w: [V, d]` and targets `t: [N]` (each below
@@ -106,9 +106,7 @@ pub(crate) fn backward(
         q.par_chunks_mut(c)
             .zip(lse.par_iter().zip(g.par_iter()))
             .for_each(|(row, (&ls, &g))| {
-                for x in row.iter_mut() {
-                    *x = super::exp(*x - ls) * -g;
-                }
+                exp_shift_scale(row, ls, -g);
             });
         if let Some(dh) = dh.as_mut() {
             gemm_into(

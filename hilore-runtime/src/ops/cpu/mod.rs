@@ -19,8 +19,10 @@
 //!
 //! **Vectorisation.** The loops are written over fixed-width lanes (`LANES` independent
 //! accumulators, a polynomial [`exp`] without branches) so that the compiler vectorises
-//! them for the build's baseline instruction set; no `target-cpu` flag is needed, and none
-//! of them uses fused multiply-add, so their results are the same on every x86-64.
+//! them; the hottest (the exponentials of attention and the head, the elementwise maps)
+//! also have AVX2 variants chosen at run time (`wide_fn!`), so no `target-cpu` flag is
+//! needed. None of them uses fused multiply-add and no order depends on the vector width,
+//! so every variant gives the same bits (a test checks it on the machine it runs on).
 
 pub(crate) mod attention;
 pub(crate) mod head;
@@ -279,6 +281,94 @@ pub(crate) fn gemm_into(
     }
 }
 
+// ----- AVX2 variants ---------------------------------------------------------------------
+
+/// Defines `fn $name(args) -> R` whose body runs compiled for AVX2 (8-lane vectors) where
+/// the CPU has it, else as built (the baseline's 4 lanes). The kernels' loops use neither
+/// fused multiply-add nor a lane-count-dependent order (their sums run over [`LANES`]
+/// accumulators either way), so both variants give the same bits; AVX2 only does twice
+/// the lanes per instruction. No `target-cpu` flag is needed in the build.
+macro_rules! wide_fn {
+    ($(#[$m:meta])* $vis:vis fn $name:ident($($a:ident: $t:ty),* $(,)?) $(-> $r:ty)? $body:block) => {
+        $(#[$m])*
+        $vis fn $name($($a: $t),*) $(-> $r)? {
+            #[inline(always)]
+            fn body($($a: $t),*) $(-> $r)? $body
+            #[cfg(target_arch = "x86_64")]
+            #[target_feature(enable = "avx2")]
+            unsafe fn avx2($($a: $t),*) $(-> $r)? {
+                body($($a),*)
+            }
+            #[cfg(target_arch = "x86_64")]
+            if std::is_x86_feature_detected!("avx2") {
+                // SAFETY: the CPU supports AVX2 (checked just above).
+                return unsafe { avx2($($a),*) };
+            }
+            body($($a),*)
+        }
+    };
+}
+
+/// `acc[l] += x[i]` for `i = l mod LANES`: the fixed lane order of every sum here.
+#[inline(always)]
+fn add_lanes(acc: &mut [f32; LANES], x: &[f32]) {
+    let mut chunks = x.chunks_exact(LANES);
+    for c in &mut chunks {
+        for l in 0..LANES {
+            acc[l] += c[l];
+        }
+    }
+    for (l, &v) in chunks.remainder().iter().enumerate() {
+        acc[l] += v;
+    }
+}
+
+/// `x = e^(x - m)` in place, one loop the compiler vectorises (the exp has no branches).
+#[inline(always)]
+fn exp_shift_in_place(x: &mut [f32], m: f32) {
+    for v in x.iter_mut() {
+        *v = exp(*v - m);
+    }
+}
+
+wide_fn! {
+    /// `x = e^(x - m)` in place; returns the new row's sum in the fixed lane order of
+    /// [`LANES`].
+    pub(crate) fn exp_shift_sum(x: &mut [f32], m: f32) -> f32 {
+        exp_shift_in_place(x, m);
+        let mut acc = [0f32; LANES];
+        add_lanes(&mut acc, x);
+        lanes_sum(acc)
+    }
+}
+
+wide_fn! {
+    /// `x = e^(x - m) * s` in place.
+    pub(crate) fn exp_shift_scale(x: &mut [f32], m: f32, s: f32) {
+        exp_shift_in_place(x, m);
+        for v in x.iter_mut() {
+            *v *= s;
+        }
+    }
+}
+
+wide_fn! {
+    /// `sum(e^(x - m))` in the fixed lane order of [`LANES`], through a stack buffer (so
+    /// that the exponentials are one vectorised loop and the sum another).
+    pub(crate) fn sum_exp(x: &[f32], m: f32) -> f32 {
+        const BLOCK: usize = 32 * LANES;
+        let mut acc = [0f32; LANES];
+        let mut buf = [0f32; BLOCK];
+        for c in x.chunks(BLOCK) {
+            let t = &mut buf[..c.len()];
+            t.copy_from_slice(c);
+            exp_shift_in_place(t, m);
+            add_lanes(&mut acc, t);
+        }
+        lanes_sum(acc)
+    }
+}
+
 // ----- vectorisable math -----------------------------------------------------------------
 
 const LOG2E: f32 = std::f32::consts::LOG2_E;
@@ -327,9 +417,9 @@ pub(crate) fn sigmoid(x: f32) -> f32 {
     1.0 / (1.0 + exp(-x))
 }
 
-/// `sum(x)` in the fixed lane order of [`LANES`].
-#[inline]
-pub(crate) fn sum(x: &[f32]) -> f32 {
+/// `sum(x)` in the fixed lane order of [`LANES`] (the order [`exp_shift_sum`] sums in).
+#[cfg(test)]
+fn sum(x: &[f32]) -> f32 {
     let mut acc = [0f32; LANES];
     let mut chunks = x.chunks_exact(LANES);
     for c in &mut chunks {
@@ -358,22 +448,6 @@ pub(crate) fn dot(a: &[f32], b: &[f32]) -> f32 {
     }
     for (l, (&x, &y)) in ca.remainder().iter().zip(cb.remainder()).enumerate() {
         acc[l] += x * y;
-    }
-    lanes_sum(acc)
-}
-
-/// `sum(exp(x - m))` in the fixed lane order of [`LANES`].
-#[inline]
-pub(crate) fn sum_exp(x: &[f32], m: f32) -> f32 {
-    let mut acc = [0f32; LANES];
-    let mut chunks = x.chunks_exact(LANES);
-    for c in &mut chunks {
-        for l in 0..LANES {
-            acc[l] += exp(c[l] - m);
-        }
-    }
-    for (l, &v) in chunks.remainder().iter().enumerate() {
-        acc[l] += exp(v - m);
     }
     lanes_sum(acc)
 }
@@ -434,6 +508,36 @@ mod tests {
         assert_eq!(exp(0.0), 1.0);
         assert_eq!(sigmoid(-1000.0), 0.0);
         assert_eq!(sigmoid(1000.0), 1.0);
+    }
+
+    /// The AVX2 variants (taken where this CPU has AVX2) give bit for bit what the same
+    /// math compiled for the baseline gives: no lane-width-dependent order, no FMA.
+    #[test]
+    fn wide_variants_match_the_baseline_bit_for_bit() {
+        let x: Vec<f32> = (0..1037)
+            .map(|i| ((i * 7919) % 1000) as f32 * 0.013 - 9.0)
+            .collect();
+        let m = 2.5f32;
+        let plain: Vec<f32> = x.iter().map(|&v| exp(v - m)).collect();
+        let mut acc = [0f32; LANES];
+        for (i, &v) in plain.iter().enumerate() {
+            acc[i % LANES] += v;
+        }
+        let plain_sum = lanes_sum(acc);
+        let mut y = x.clone();
+        let s = exp_shift_sum(&mut y, m);
+        assert_eq!(s.to_bits(), plain_sum.to_bits());
+        assert!(y
+            .iter()
+            .zip(&plain)
+            .all(|(a, b)| a.to_bits() == b.to_bits()));
+        assert_eq!(sum_exp(&x, m).to_bits(), plain_sum.to_bits());
+        let mut z = x.clone();
+        exp_shift_scale(&mut z, m, -0.75);
+        assert!(z
+            .iter()
+            .zip(&plain)
+            .all(|(a, b)| a.to_bits() == (b * -0.75).to_bits()));
     }
 
     #[test]

@@ -104,36 +104,33 @@ pub(crate) fn rms_norm_backward(
     (dx, dw)
 }
 
-/// An elementwise map of one input, in parallel pieces.
-fn map1(x: &[f32], f: impl Fn(f32) -> f32 + Sync) -> Vec<f32> {
-    let mut y = vec![0f32; x.len()];
-    let piece = rows_per_piece(1);
-    y.par_chunks_mut(piece)
-        .zip(x.par_chunks(piece))
-        .for_each(|(y, x)| {
-            for (y, &x) in y.iter_mut().zip(x) {
-                *y = f(x);
-            }
-        });
-    y
+/// `y[i] = f(a[i], b[i], c[i])` over one piece.
+#[inline(always)]
+fn apply<F: Fn(f32, f32, f32) -> f32>(y: &mut [f32], a: &[f32], b: &[f32], c: &[f32], f: &F) {
+    for (((y, &a), &b), &c) in y.iter_mut().zip(a).zip(b).zip(c) {
+        *y = f(a, b, c);
+    }
 }
 
-/// An elementwise map of two inputs of the same length, in parallel pieces.
-fn map2(a: &[f32], b: &[f32], f: impl Fn(f32, f32) -> f32 + Sync) -> Vec<f32> {
-    let mut y = vec![0f32; a.len()];
-    let piece = rows_per_piece(1);
-    y.par_chunks_mut(piece)
-        .zip(a.par_chunks(piece).zip(b.par_chunks(piece)))
-        .for_each(|(y, (a, b))| {
-            for ((y, &a), &b) in y.iter_mut().zip(a).zip(b) {
-                *y = f(a, b);
-            }
-        });
-    y
+/// [`apply`] compiled for AVX2 (see [`super::wide_fn`]: the same bits, twice the lanes).
+///
+/// # Safety
+/// The CPU must support AVX2.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn apply_avx2<F: Fn(f32, f32, f32) -> f32>(
+    y: &mut [f32],
+    a: &[f32],
+    b: &[f32],
+    c: &[f32],
+    f: &F,
+) {
+    apply(y, a, b, c, f)
 }
 
-/// An elementwise map of three inputs of the same length, in parallel pieces.
-fn map3(a: &[f32], b: &[f32], c: &[f32], f: impl Fn(f32, f32, f32) -> f32 + Sync) -> Vec<f32> {
+/// An elementwise map of up to three inputs of the same length (pass `a` again for an
+/// unused one), in parallel pieces, each piece on AVX2 where the CPU has it.
+fn map(a: &[f32], b: &[f32], c: &[f32], f: impl Fn(f32, f32, f32) -> f32 + Sync) -> Vec<f32> {
     let mut y = vec![0f32; a.len()];
     let piece = rows_per_piece(1);
     y.par_chunks_mut(piece)
@@ -142,9 +139,12 @@ fn map3(a: &[f32], b: &[f32], c: &[f32], f: impl Fn(f32, f32, f32) -> f32 + Sync
                 .zip(b.par_chunks(piece).zip(c.par_chunks(piece))),
         )
         .for_each(|(y, (a, (b, c)))| {
-            for (((y, &a), &b), &c) in y.iter_mut().zip(a).zip(b).zip(c) {
-                *y = f(a, b, c);
+            #[cfg(target_arch = "x86_64")]
+            if std::is_x86_feature_detected!("avx2") {
+                // SAFETY: the CPU supports AVX2 (checked just above).
+                return unsafe { apply_avx2(y, a, b, c, &f) };
             }
+            apply(y, a, b, c, &f)
         });
     y
 }
@@ -164,32 +164,32 @@ fn silu_grad(x: f32) -> f32 {
 
 /// `silu(x)` elementwise.
 pub(crate) fn silu_forward(x: &[f32]) -> Vec<f32> {
-    map1(x, silu)
+    map(x, x, x, |x, _, _| silu(x))
 }
 
 /// `g silu'(x)`.
 pub(crate) fn silu_backward(x: &[f32], g: &[f32]) -> Vec<f32> {
-    map2(x, g, |x, g| g * silu_grad(x))
+    map(x, g, x, |x, g, _| g * silu_grad(x))
 }
 
 /// `silu(gate) * up`.
 pub(crate) fn swiglu(gate: &[f32], up: &[f32]) -> Vec<f32> {
-    map2(gate, up, |g, u| silu(g) * u)
+    map(gate, up, gate, |g, u, _| silu(g) * u)
 }
 
 /// `d gate = g up silu'(gate)`.
 pub(crate) fn swiglu_dgate(gate: &[f32], up: &[f32], g: &[f32]) -> Vec<f32> {
-    map3(gate, up, g, |x, u, g| g * u * silu_grad(x))
+    map(gate, up, g, |x, u, g| g * u * silu_grad(x))
 }
 
 /// `d up = g silu(gate)`.
 pub(crate) fn swiglu_dup(gate: &[f32], g: &[f32]) -> Vec<f32> {
-    map2(gate, g, |x, g| g * silu(x))
+    map(gate, g, gate, |x, g, _| g * silu(x))
 }
 
 /// `a + b` (same length).
 pub(crate) fn add(a: &[f32], b: &[f32]) -> Vec<f32> {
-    map2(a, b, |a, b| a + b)
+    map(a, b, a, |a, b, _| a + b)
 }
 
 /// `x + b` with `b` broadcast over the rows of `x` (a bias).
