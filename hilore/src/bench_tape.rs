@@ -676,19 +676,7 @@ fn model_pass(
             cx.backward(&logp, &case.coeffs, &mut grads)?;
             let s = meter.stop(Some(cx.memory().peak_bytes()));
             let named = if keep {
-                Some(
-                    model
-                        .named_params()
-                        .into_iter()
-                        .map(|(n, v)| {
-                            let g = grads
-                                .get(v.id())
-                                .cloned()
-                                .with_context(|| format!("no gradient reached {n}"))?;
-                            Ok((n, g))
-                        })
-                        .collect::<anyhow::Result<Vec<_>>>()?,
-                )
+                Some(common::named_grads(model, &grads)?)
             } else {
                 None
             };

@@ -251,6 +251,21 @@ pub struct Pass {
     pub times: hilore_runtime::TapeTimes,
 }
 
+/// Every parameter's gradient, in [`Decoder::named_params`] order; an error names the
+/// first parameter that no gradient reached.
+pub fn named_grads(model: &Decoder, grads: &Grads) -> anyhow::Result<Vec<(String, Tensor)>> {
+    model
+        .named_params()
+        .into_iter()
+        .map(|(name, var)| {
+            let g = grads
+                .get(var.id())
+                .cloned()
+                .with_context(|| format!("no gradient reached parameter {name}"))?;
+            Ok((name, g))
+        })
+        .collect()
+}
 /// One forward+backward of `model` on `batch` under `plan`, seeded with `coeffs`.
 pub fn run_pass(
     model: &Decoder,
@@ -269,17 +284,7 @@ pub fn run_pass(
     let report = cx.backward(&logp, coeffs, &mut grads)?;
     let backward = now(dev)? - t1;
     drop(logp);
-    let named = model
-        .named_params()
-        .into_iter()
-        .map(|(name, var)| {
-            let g = grads
-                .get(var.id())
-                .cloned()
-                .with_context(|| format!("no gradient reached parameter {name}"))?;
-            Ok((name, g))
-        })
-        .collect::<anyhow::Result<Vec<_>>>()?;
+    let named = named_grads(model, &grads)?;
     Ok(Pass {
         grads: named,
         peak_activation_bytes: cx.memory().peak_bytes(),
