@@ -421,15 +421,7 @@ pub(crate) fn sigmoid(x: f32) -> f32 {
 #[cfg(test)]
 fn sum(x: &[f32]) -> f32 {
     let mut acc = [0f32; LANES];
-    let mut chunks = x.chunks_exact(LANES);
-    for c in &mut chunks {
-        for l in 0..LANES {
-            acc[l] += c[l];
-        }
-    }
-    for (l, &v) in chunks.remainder().iter().enumerate() {
-        acc[l] += v;
-    }
+    add_lanes(&mut acc, x);
     lanes_sum(acc)
 }
 
