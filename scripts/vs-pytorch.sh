@@ -46,9 +46,16 @@
 # (5.6 GB installed), in the venv only. Nothing here uses a GPU: CUDA is never
 # initialized, and every PyTorch number is its CPU path (MKL / oneDNN).
 #
-# Usage: scripts/vs-pytorch.sh [--quick] [--reps N] [--threads 1,2] [--shapes S,...]
-#                              [--attention T,...|none] [--out FILE] [--help]
+# Usage: scripts/vs-pytorch.sh [--quick] [--model bench|train-default] [--reps N]
+#                              [--threads 1,2] [--shapes S,...] [--attention T,...|none]
+#                              [--out FILE] [--help]
 #   --quick       smoke test: 1 repetition, 1 thread, shape 128x7, attention T=512
+#   --model M     `bench` (default): the benchmark decoder above; `train-default`: the
+#                 policy `hilore train` builds without --config or --model (2 layers,
+#                 hidden 64, MLP 176, 4 query / 2 key-value heads of 16, the arithmetic
+#                 task's 16-token vocabulary; 94.5 k parameters). Its microbatch is about
+#                 64 responses of 14 tokens (32 prompts x 8 samples of `ddd+ddd=` and
+#                 an answer, packed to 1024 rows): run it with --shapes 14x64
 #   --reps N      repetitions (processes per measurement), medians reported (default 5)
 #   --threads L   thread counts: torch.set_num_threads and OMP/MKL_NUM_THREADS for
 #                 PyTorch, --threads (RAYON_NUM_THREADS) for the tape (default 1,2)
@@ -70,10 +77,12 @@ threads=1,2
 shapes=128x7,512x4,train
 attention=512,2048
 out=$root/target/vs-pytorch/results.json
+model=bench
 while [ $# -gt 0 ]; do
     case "$1" in
         -h | --help) usage; exit 0 ;;
         --quick) reps=1; threads=1; shapes=128x7; attention=512 ;;
+        --model) model=${2:?--model needs bench or train-default}; shift ;;
         --reps) reps=${2:?--reps needs a number}; shift ;;
         --threads) threads=${2:?--threads needs a list like 1,2}; shift ;;
         --shapes) shapes=${2:?--shapes needs a list like 128x7,512x4,train}; shift ;;
@@ -84,6 +93,10 @@ while [ $# -gt 0 ]; do
     shift
 done
 [ "$attention" = none ] && attention=
+case "$model" in
+    bench | train-default) ;;
+    *) echo "vs-pytorch: --model must be bench or train-default, got '$model'" >&2; exit 2 ;;
+esac
 case "$reps" in '' | *[!0-9]* | 0) echo "vs-pytorch: --reps must be a positive number, got '$reps'" >&2; exit 2 ;; esac
 
 venv=${VS_PYTORCH_VENV:-$root/target/vs-pytorch-venv}
@@ -109,18 +122,21 @@ fi
 (cd "$root" && cargo build --release -p hilore)
 hilore=$root/target/release/hilore
 
-# 3. The benchmark decoder (the fields of DecoderConfig::bench in models/src/config.rs).
-cat >"$work/bench-config.json" <<'EOF'
+# 3. The model, random weights: the benchmark decoder (the fields of DecoderConfig::bench
+# in models/src/config.rs) or the training default (`hilore train`'s --layers, --hidden,
+# --heads, --kv-heads, --intermediate defaults and the arithmetic tokenizer's vocabulary).
+if [ "$model" = bench ]; then
+    dims='"vocab_size": 1024, "hidden_size": 192, "intermediate_size": 512,
+  "num_hidden_layers": 4, "num_attention_heads": 6, "num_key_value_heads": 2, "head_dim": 32,'
+else
+    dims='"vocab_size": 16, "hidden_size": 64, "intermediate_size": 176,
+  "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,'
+fi
+cat >"$work/$model-config.json" <<EOF
 {
   "architectures": ["LlamaForCausalLM"],
   "model_type": "llama",
-  "vocab_size": 1024,
-  "hidden_size": 192,
-  "intermediate_size": 512,
-  "num_hidden_layers": 4,
-  "num_attention_heads": 6,
-  "num_key_value_heads": 2,
-  "head_dim": 32,
+  $dims
   "rms_norm_eps": 1e-6,
   "rope_theta": 10000.0,
   "tie_word_embeddings": false,
@@ -130,9 +146,9 @@ cat >"$work/bench-config.json" <<'EOF'
   "hidden_act": "silu"
 }
 EOF
-"$hilore" export --config "$work/bench-config.json" --seed 7 --out "$work/model"
+"$hilore" export --config "$work/$model-config.json" --seed 7 --out "$work/$model-model"
 
 # 4-5. The comparison.
 "$venv/bin/python" "$root/scripts/vs_pytorch.py" run \
-    --hilore "$hilore" --model "$work/model" --work "$work" --out "$out" \
+    --hilore "$hilore" --model "$work/$model-model" --work "$work" --out "$out" \
     --shapes "$shapes" --threads "$threads" --attention "$attention" --reps "$reps"

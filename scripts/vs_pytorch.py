@@ -462,7 +462,10 @@ def run(args):
     result = {
         "meta": {
             **meta_versions,
-            "model": args.model,
+            # Relative to the repository, so the JSON reads the same on every machine.
+            "model": os.path.relpath(
+                args.model, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+            ),
             "shapes": {s: shape_arg(s) for s in shapes},
             "threads": threads,
             "reps": args.reps,
