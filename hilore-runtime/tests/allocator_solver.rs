@@ -166,6 +166,57 @@ fn lagrangian_is_optimal_for_the_risk_it_reaches() {
     assert!(binding > 50, "risk budget bound in only {binding} problems");
 }
 
+#[test]
+fn solve_near_meets_the_budget_from_any_hint_and_is_no_slower_from_the_answer() {
+    let mut rng = Rng(11);
+    let solver = Solver {
+        buckets: 64,
+        ..Solver::default()
+    };
+    let (mut binding, mut compared) = (0, 0);
+    for _ in 0..300 {
+        let mut p = random_problem(&mut rng, true);
+        p.capacity = p.min_bytes() + rng.below(2500) as i64;
+        let unconstrained = solver.solve(&p).unwrap();
+        p.risk_budget = unconstrained.risk * rng.unit();
+        let from_scratch = solver.solve(&p);
+        // Hints far below, near and far above the answer, and none at all.
+        let lambda = from_scratch.as_ref().map(|s| s.lambda).unwrap_or(1.0);
+        for hint in [
+            0.0,
+            lambda * 1e-6,
+            lambda * 0.3,
+            lambda,
+            lambda * 7.0,
+            lambda * 1e6,
+        ] {
+            match (solver.solve_near(&p, hint), &from_scratch) {
+                (Ok(s), Ok(f)) => {
+                    assert!(s.risk <= p.risk_budget, "{} > {}", s.risk, p.risk_budget);
+                    assert!(s.bytes <= p.capacity);
+                    assert_eq!(p.totals(&s.picks), (s.seconds, s.risk, s.bytes));
+                    if f.lambda > 0.0 {
+                        binding += 1;
+                    }
+                    // From the answer's own multiplier, the search keeps that selection
+                    // unless it finds a faster one that also meets the budget.
+                    if hint == f.lambda && f.lambda > 0.0 {
+                        compared += 1;
+                        assert!(s.seconds <= f.seconds, "{} > {}", s.seconds, f.seconds);
+                    }
+                }
+                (Err(Infeasible::Risk { .. }), Err(Infeasible::Risk { .. })) => {}
+                (near, scratch) => panic!("solve_near {near:?}, solve {scratch:?}"),
+            }
+        }
+    }
+    assert!(binding > 200, "risk budget bound in only {binding} cases");
+    assert!(
+        compared > 50,
+        "only {compared} comparisons with solve's own multiplier"
+    );
+}
+
 fn store_recompute_compress(name: &str, store: i64, exposure: f64) -> Group {
     Group {
         name: name.into(),

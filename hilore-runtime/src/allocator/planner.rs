@@ -134,6 +134,18 @@ pub struct Decision {
 /// on the microbatch, so a step's microbatches share them).
 type Peaks = HashMap<Vec<Fidelity>, usize, foldhash::fast::RandomState>;
 
+/// What [`Allocator::plan_step`]'s exact checks and searches of one microbatch depend on
+/// (the `to_bits` of its exposure and of the squared risk the other microbatches leave,
+/// 0 for the latter without exposure).
+#[derive(PartialEq)]
+struct Replan {
+    shape: MicrobatchShape,
+    exposure: u64,
+    room: u64,
+    picks: Vec<Pick>,
+    seed: Option<Vec<Pick>>,
+}
+
 /// The summed (squared) risks of every microbatch but `k`.
 fn others_risk(risks: &[f64], k: usize) -> f64 {
     risks
@@ -1013,11 +1025,35 @@ impl Allocator {
         let sel = step.selections;
         // 3. Exact check of every plan (the capacity was searched without the risk
         // term; a different selection may have another transient).
-        let mut out = Vec::with_capacity(mbs.len());
+        let mut out: Vec<Decision> = Vec::with_capacity(mbs.len());
         let mut risks: Vec<f64> = sel.iter().map(|s| s.risk).collect();
         // Exact peaks by plan (byte figures do not depend on the microbatch).
         let mut peaks = Peaks::default();
+        // Steps 3-5 are a function of the microbatch's shape and exposure, its selection
+        // and seed, and the risk the others leave it. Microbatches that agree on all of
+        // these (those without exposure, whose choices carry no risk, need not agree on
+        // the last) take the plan found for the first of them.
+        let mut planned: Vec<(Replan, usize)> = Vec::new();
         for (k, ((p, mut s), seed)) in problems.iter().zip(sel).zip(seeds).enumerate() {
+            let e = assumed_exposure.unwrap_or(mbs[k].exposure);
+            let key = Replan {
+                shape: mbs[k].shape,
+                exposure: e.to_bits(),
+                room: if e == 0.0 {
+                    0
+                } else {
+                    (b2 - others_risk(&risks, k)).to_bits()
+                },
+                picks: s.picks.clone(),
+                seed: seed.clone(),
+            };
+            if let Some(&(_, j)) = planned.iter().find(|(r, _)| *r == key) {
+                let d: Decision = out[j].clone();
+                risks[k] = risks[j];
+                out.push(d);
+                continue;
+            }
+            planned.push((key, k));
             let full = &fulls[k];
             let mut peak = self.peak_of(p, &s.picks)?;
             checks += 1;
@@ -1053,11 +1089,16 @@ impl Allocator {
                     break;
                 }
                 q.risk_budget = (b2 - others_risk(&risks, k)).max(0.0);
-                s = self.solver.solve(&q).map_err(|e| {
-                    Error::Tape(format!(
-                        "no plan fits the memory budget of {total_budget} bytes within the risk budget: {e}"
-                    ))
-                })?;
+                // The step's multiplier first (one DP table); where its selection takes
+                // more risk than is left, the least multiplier that meets it.
+                s = match self.solver.solve_at(&q, step.lambda) {
+                    Ok(at) if at.risk <= q.risk_budget => at,
+                    _ => self.solver.solve_near(&q, step.lambda).map_err(|e| {
+                        Error::Tape(format!(
+                            "no plan fits the memory budget of {total_budget} bytes within the risk budget: {e}"
+                        ))
+                    })?,
+                };
                 risks[k] = s.risk;
                 peak = self.peak_of(&q, &s.picks)?;
                 checks += 1;
