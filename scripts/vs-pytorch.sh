@@ -146,7 +146,7 @@ cat >"$work/$model-config.json" <<EOF
   "hidden_act": "silu"
 }
 EOF
-"$hilore" export --config "$work/$model-config.json" --seed 7 --out "$work/$model-model"
+"$hilore" export --config "$work/$model-config.json" --seed 7 --out "$work/$model-model" --force
 
 # 4-5. The comparison.
 "$venv/bin/python" "$root/scripts/vs_pytorch.py" run \

@@ -570,8 +570,11 @@ pub fn run(args: BenchTapeArgs) -> anyhow::Result<ExitCode> {
     };
     print_tables(&report);
     if let Some(path) = &args.json {
-        std::fs::write(path, serde_json::to_string_pretty(&report)? + "\n")
-            .with_context(|| format!("writing {}", path.display()))?;
+        hilore_models::atomic::write_bytes_atomic(
+            path,
+            (serde_json::to_string_pretty(&report)? + "\n").as_bytes(),
+        )
+        .with_context(|| format!("writing {}", path.display()))?;
     }
     Ok(ExitCode::SUCCESS)
 }
@@ -882,7 +885,7 @@ fn write_logprobs(
         }));
     }
     let v = serde_json::json!({"model": describe(cfg), "cases": out});
-    std::fs::write(path, serde_json::to_string(&v)? + "\n")
+    hilore_models::atomic::write_bytes_atomic(path, (serde_json::to_string(&v)? + "\n").as_bytes())
         .with_context(|| format!("writing {}", path.display()))?;
     eprintln!(
         "wrote the tokens and log-probs of {} case(s) to {}",

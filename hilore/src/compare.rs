@@ -156,6 +156,8 @@ fn run_one(
         .arg(&summary)
         .arg("--checkpoint")
         .arg(&checkpoint)
+        // The work directory is this comparison's own: a rerun replaces its files.
+        .arg("--force")
         .args(extra)
         .status()
         .context("running hilore train")?;
@@ -288,8 +290,11 @@ pub fn run(args: CompareArgs) -> anyhow::Result<ExitCode> {
         report.seeds.len()
     );
     if let Some(p) = &args.json {
-        std::fs::write(p, serde_json::to_string_pretty(&report)?)
-            .with_context(|| format!("writing {}", p.display()))?;
+        hilore_models::atomic::write_bytes_atomic(
+            p,
+            serde_json::to_string_pretty(&report)?.as_bytes(),
+        )
+        .with_context(|| format!("writing {}", p.display()))?;
     }
     Ok(ExitCode::SUCCESS)
 }

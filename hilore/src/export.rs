@@ -32,9 +32,29 @@ pub struct ExportArgs {
     /// nearest, half the size).
     #[arg(long, default_value = "f32")]
     dtype: String,
+    /// Replace the model files of an --out directory that already holds a model (the new
+    /// files are written beside them and swapped in only when complete).
+    #[arg(long)]
+    force: bool,
 }
 
 pub fn run(args: ExportArgs) -> anyhow::Result<ExitCode> {
+    if let Some(dir) = &args.model {
+        if let (Ok(a), Ok(b)) = (dir.canonicalize(), args.out.canonicalize()) {
+            if a == b {
+                bail!(
+                    "--out {} is the model directory itself; export to another directory",
+                    args.out.display()
+                );
+            }
+        }
+    }
+    if let (false, Some(f)) = (args.force, zoo::model_files_in(&args.out)) {
+        bail!(
+            "--out {} already holds a model ({f}); pass --force to replace it, or choose another directory",
+            args.out.display()
+        );
+    }
     let dtype = match args.dtype.as_str() {
         "f32" => DType::F32,
         "bf16" => DType::BF16,
@@ -42,17 +62,7 @@ pub fn run(args: ExportArgs) -> anyhow::Result<ExitCode> {
         other => bail!("--dtype {other}: expected f32, bf16 or f16"),
     };
     let (model, cfg, tok) = match (&args.model, &args.config) {
-        (Some(dir), _) => {
-            if let (Ok(a), Ok(b)) = (dir.canonicalize(), args.out.canonicalize()) {
-                if a == b {
-                    bail!(
-                        "--out {} is the model directory itself; export to another directory",
-                        args.out.display()
-                    );
-                }
-            }
-            zoo::load(dir, &Device::Cpu)?
-        }
+        (Some(dir), _) => zoo::load(dir, &Device::Cpu)?,
         (None, Some(file)) => {
             let cfg = common::load_config(Some(file))?;
             let model = Decoder::random(&cfg, args.seed, &Device::Cpu)?;

@@ -335,7 +335,7 @@ impl Chart {
 
     /// Writes the chart to `path` (SVG).
     pub fn write(&self, path: &Path) -> std::io::Result<()> {
-        std::fs::write(path, self.to_svg())
+        hilore_models::atomic::write_bytes_atomic(path, self.to_svg().as_bytes())
     }
 }
 

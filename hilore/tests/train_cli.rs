@@ -465,7 +465,8 @@ fn every_task_and_policy_runs() {
             "0.9",
         ],
     ] {
-        let out = run_ok(&tiny(&dir, &extra));
+        // One directory for every run: each replaces the one before.
+        let out = run_ok(&tiny(&dir, &[&extra[..], &["--force"]].concat()));
         assert!(out.contains("done:"), "{extra:?}: {out}");
         let m = deterministic_metrics(&dir);
         assert_eq!(m.len(), 2, "{extra:?}");
@@ -560,4 +561,99 @@ fn bad_input_is_a_clear_error() {
     let e = err_of(&["--steps", "2", "--resume", "--group-size", "2"]);
     assert!(e.contains("group_size: checkpoint 4, now 2"), "{e}");
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Every file of `dir`: name and bytes.
+fn files_of(dir: &Path) -> Vec<(String, Vec<u8>)> {
+    let mut v: Vec<_> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| {
+            let e = e.unwrap();
+            (
+                e.file_name().to_string_lossy().into_owned(),
+                std::fs::read(e.path()).unwrap(),
+            )
+        })
+        .collect();
+    v.sort();
+    v
+}
+
+#[test]
+fn a_new_run_never_replaces_an_earlier_runs_files_unless_forced() {
+    let dir = tmp("guard");
+    // Exact plans, so a rerun gives the same tensors.
+    let args = tiny(&dir, &["--steps", "1", "--policy", "recompute"]);
+    run_ok(&args);
+    let before = files_of(&dir);
+    let names: Vec<&str> = before.iter().map(|(n, _)| n.as_str()).collect();
+    assert_eq!(names, ["metrics.jsonl", "run.ckpt", "summary.json"]);
+
+    // The same command again: refused before any work, every file named, both flags given.
+    let (code, out, err) = hilore(&args);
+    assert_eq!(code, 2, "{err}");
+    assert!(out.is_empty(), "work started: {out}");
+    for f in [
+        "run.ckpt",
+        "metrics.jsonl",
+        "summary.json",
+        "--resume",
+        "--force",
+    ] {
+        assert!(err.contains(f), "{f} not named: {err}");
+    }
+    assert_eq!(files_of(&dir), before);
+
+    // A checkpoint write that fails (a file-size limit below the checkpoint's size,
+    // SIGXFSZ ignored so the write gets EFBIG as on a full disk) leaves the old one whole
+    // and no temporary beside it.
+    let ckpt = before
+        .iter()
+        .find(|(n, _)| n == "run.ckpt")
+        .unwrap()
+        .1
+        .len();
+    let blocks = ckpt / 512 / 2;
+    assert!(blocks > 0);
+    let script = format!("trap '' XFSZ; ulimit -f {blocks}; exec \"$0\" \"$@\" --force");
+    let o = Command::new("sh")
+        .args(["-c", &script, env!("CARGO_BIN_EXE_hilore")])
+        .args(&args)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(err.contains("run.ckpt"), "the checkpoint is named: {err}");
+    let after = files_of(&dir);
+    assert_eq!(
+        after, before,
+        "a failed checkpoint write changed the run's files"
+    );
+    assert!(
+        after.iter().all(|(n, _)| !n.contains(".tmp-")),
+        "a temporary was left: {:?}",
+        after.iter().map(|(n, _)| n).collect::<Vec<_>>()
+    );
+
+    // --force starts over; the run is the same as the first (same seed).
+    let mut forced = args.clone();
+    forced.push("--force".into());
+    run_ok(&forced);
+    assert_eq!(
+        checkpoint_tensors(&dir),
+        before
+            .iter()
+            .find(|(n, _)| n == "run.ckpt")
+            .map(|(_, b)| {
+                let h = u64::from_le_bytes(b[16..24].try_into().unwrap()) as usize;
+                b[24 + h..].to_vec()
+            })
+            .unwrap()
+    );
+    // --force and --resume contradict each other.
+    let mut both = forced.clone();
+    both.push("--resume".into());
+    let (code, _, err) = hilore(&both);
+    assert_eq!(code, 2);
+    assert!(err.contains("--force") && err.contains("--resume"), "{err}");
 }

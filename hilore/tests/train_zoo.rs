@@ -262,7 +262,9 @@ fn a_model_without_an_end_token_is_refused_naming_the_field() {
     // A tokenizer without any end token and a config without eos_token_id: refused.
     let tok = tokenizer_json().replace("\"</s>\"", "\"<end>\"");
     std::fs::write(model.join("tokenizer.json"), tok).unwrap();
-    let args = train_args(&model, &data, &work, "1");
+    // --force: the first run's files are in `work`.
+    let mut args = train_args(&model, &data, &work, "1");
+    args.push("--force".into());
     let err = run_refused(&args);
     assert!(err.contains("eos_token_id"), "{err}");
     assert!(err.contains("config.json"), "{err}");

@@ -186,3 +186,83 @@ fn export_writes_a_directory_that_reloads_bit_identically() {
     assert_eq!(code, 2);
     assert!(err.contains("model directory itself"), "{err}");
 }
+
+/// Every file of `dir`, name and bytes (to tell that nothing changed).
+fn snapshot(dir: &Path) -> Vec<(String, Vec<u8>)> {
+    let mut v: Vec<_> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| {
+            let e = e.unwrap();
+            (
+                e.file_name().to_string_lossy().into_owned(),
+                std::fs::read(e.path()).unwrap(),
+            )
+        })
+        .collect();
+    v.sort();
+    v
+}
+
+#[test]
+fn export_never_replaces_a_model_unless_forced_and_a_failed_write_keeps_the_old_one() {
+    let dir = model_dir("export-guard-src");
+    let out = tmpdir("export-guard-out");
+    // An older model in --out: another seed's random weights, same files.
+    let cfg = dir.join("config.json");
+    run_ok(&[
+        "export",
+        "--config",
+        cfg.to_str().unwrap(),
+        "--seed",
+        "3",
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    let before = snapshot(&out);
+    assert!(before.iter().any(|(n, _)| n == "model.safetensors"));
+
+    // Without --force: refused before any work, naming the directory, the file and the flag.
+    let (code, _, err) = hilore(&on_model("export", &dir, "--out", &out, &[]));
+    assert_eq!(code, 2, "{err}");
+    assert!(
+        err.contains(out.to_str().unwrap())
+            && err.contains("config.json")
+            && err.contains("--force"),
+        "{err}"
+    );
+    assert_eq!(snapshot(&out), before);
+
+    // With --force under a file-size limit below the weights' size (SIGXFSZ ignored, so
+    // the write fails with EFBIG as on a full disk): an error, and the old model whole,
+    // with no temporary left.
+    let weights = before
+        .iter()
+        .find(|(n, _)| n == "model.safetensors")
+        .map(|(_, b)| b.len())
+        .unwrap();
+    let blocks = weights / 512 / 2; // half the weights, in ulimit's 512-byte blocks
+    assert!(blocks > 0);
+    let script = format!(
+        "trap '' XFSZ; ulimit -f {blocks}; exec \"$0\" export --model \"$1\" --out \"$2\" --force"
+    );
+    let status = std::process::Command::new("sh")
+        .args(["-c", &script, env!("CARGO_BIN_EXE_hilore")])
+        .arg(&dir)
+        .arg(&out)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&status.stderr);
+    assert_eq!(status.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("model.safetensors"),
+        "the failed file is named: {err}"
+    );
+    assert_eq!(snapshot(&out), before, "a failed export changed --out");
+    zoo::load(&out, &Device::Cpu).expect("the old model still loads");
+
+    // With --force and room: replaced, and equal to an export into a fresh directory.
+    run_ok(&on_model("export", &dir, "--out", &out, &["--force"]));
+    let fresh = tmpdir("export-guard-fresh");
+    run_ok(&on_model("export", &dir, "--out", &fresh, &[]));
+    assert_eq!(snapshot(&out), snapshot(&fresh));
+}

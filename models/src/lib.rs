@@ -70,6 +70,7 @@
 //! [`reference::CandleDecoder`] is the same model on candle's own autograd, the reference
 //! that the tape's gradients are tested and benchmarked against.
 
+pub mod atomic;
 pub mod baselines;
 mod batch;
 mod config;

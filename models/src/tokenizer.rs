@@ -149,9 +149,11 @@ impl Tokenizer {
     /// Writes the `tokenizer.json` text, as read, to `path`.
     pub fn save(&self, path: impl AsRef<Path>) -> Result<(), ModelError> {
         let path = path.as_ref();
-        std::fs::write(path, &self.json).map_err(|e| ModelError::File {
-            path: path.to_path_buf(),
-            problem: format!("cannot write the tokenizer: {e}"),
+        crate::atomic::write_bytes_atomic(path, self.json.as_bytes()).map_err(|e| {
+            ModelError::File {
+                path: path.to_path_buf(),
+                problem: format!("cannot write the tokenizer: {e}"),
+            }
         })
     }
 }

@@ -333,6 +333,19 @@ pub fn load_weights(
     Ok(out)
 }
 
+/// The first model file `dir` holds (`config.json`, `model.safetensors`, its shard index,
+/// `tokenizer.json`), if any: what an export into `dir` would replace.
+pub fn model_files_in(dir: &Path) -> Option<&'static str> {
+    [
+        CONFIG_FILE,
+        WEIGHTS_FILE,
+        WEIGHTS_INDEX_FILE,
+        TOKENIZER_FILE,
+    ]
+    .into_iter()
+    .find(|f| dir.join(f).exists())
+}
+
 /// Writes `model` as a model directory `dir` (created if needed): `config.json` (`cfg`,
 /// with the fields it kept from the original file, `torch_dtype: "float32"`) and
 /// `model.safetensors` with every parameter in `f32` under its Hugging Face name. Loading
@@ -392,15 +405,16 @@ pub fn export_with(
     }
     let weights = dir.join(WEIGHTS_FILE);
     let meta = HashMap::from([("format".to_string(), "pt".to_string())]);
-    safetensors::serialize_to_file(tensors.iter(), Some(meta), &weights)
+    // Every file is written to a temporary beside it first; only when all are whole are
+    // they renamed into place, so a write that fails (a full disk, a file-size limit)
+    // leaves the directory's old model as it was, loadable.
+    let mut staged = crate::atomic::Staged::default();
+    staged
+        .write_with(&weights, |tmp| {
+            safetensors::serialize_to_file(tensors.iter(), Some(meta), tmp)
+                .map_err(std::io::Error::other)
+        })
         .map_err(|e| file_err(&weights, format!("cannot write the weights: {e}")))?;
-    // A stale shard index next to the new single file would be ignored by loaders that
-    // follow Hugging Face's order, but is confusing: remove it.
-    let stale = dir.join(WEIGHTS_INDEX_FILE);
-    if stale.exists() {
-        std::fs::remove_file(&stale)
-            .map_err(|e| file_err(&stale, format!("cannot remove the old shard index: {e}")))?;
-    }
     let mut out = cfg.clone();
     out.extra
         .insert("torch_dtype".into(), serde_json::Value::from(torch_dtype));
@@ -413,10 +427,29 @@ pub fn export_with(
             .insert("architectures".into(), serde_json::json!([arch]));
     }
     let config = dir.join(CONFIG_FILE);
-    std::fs::write(&config, candle_compatible_json(&out) + "\n")
+    let config_json = candle_compatible_json(&out) + "\n";
+    staged
+        .write(&config, |w| {
+            std::io::Write::write_all(w, config_json.as_bytes())
+        })
         .map_err(|e| file_err(&config, format!("cannot write the config: {e}")))?;
     if let Some(tok) = tokenizer {
-        tok.save(dir.join(TOKENIZER_FILE))?;
+        let path = dir.join(TOKENIZER_FILE);
+        staged
+            .write(&path, |w| {
+                std::io::Write::write_all(w, tok.json().as_bytes())
+            })
+            .map_err(|e| file_err(&path, format!("cannot write the tokenizer: {e}")))?;
+    }
+    staged
+        .commit()
+        .map_err(|e| file_err(dir, format!("cannot move the new files into place: {e}")))?;
+    // A stale shard index next to the new single file would be ignored by loaders that
+    // follow Hugging Face's order, but is confusing: remove it.
+    let stale = dir.join(WEIGHTS_INDEX_FILE);
+    if stale.exists() {
+        std::fs::remove_file(&stale)
+            .map_err(|e| file_err(&stale, format!("cannot remove the old shard index: {e}")))?;
     }
     Ok(())
 }

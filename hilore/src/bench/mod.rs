@@ -1178,8 +1178,11 @@ pub fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
     };
     print_report(&report);
     if let Some(path) = &args.json {
-        std::fs::write(path, serde_json::to_string_pretty(&report)?)
-            .with_context(|| format!("writing {}", path.display()))?;
+        hilore_models::atomic::write_bytes_atomic(
+            path,
+            serde_json::to_string_pretty(&report)?.as_bytes(),
+        )
+        .with_context(|| format!("writing {}", path.display()))?;
     }
     if let Some(dir) = &args.plot {
         std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;

@@ -121,17 +121,13 @@ impl Checkpoint {
             .unwrap_or(Path::new("."));
         std::fs::create_dir_all(dir)
             .with_context(|| format!("creating checkpoint directory {}", dir.display()))?;
-        let file_name = path
-            .file_name()
-            .with_context(|| format!("checkpoint path {} has no file name", path.display()))?;
-        let tmp = dir.join(format!(
-            ".{}.tmp-{}",
-            file_name.to_string_lossy(),
-            std::process::id()
-        ));
-        let write = || -> anyhow::Result<()> {
-            let f = std::fs::File::create(&tmp)?;
-            let mut w = std::io::BufWriter::new(f);
+        if path.file_name().is_none() {
+            bail!("checkpoint path {} has no file name", path.display());
+        }
+        // Written to `.NAME.tmp-PID` beside it, flushed, then renamed over it (so a
+        // failed or killed write leaves the previous checkpoint whole); temporaries of
+        // runs that died mid-write are removed first.
+        hilore_models::atomic::write_atomic(path, |w| {
             w.write_all(MAGIC)?;
             w.write_all(&VERSION.to_le_bytes())?;
             w.write_all(&(header.len() as u64).to_le_bytes())?;
@@ -141,17 +137,9 @@ impl Checkpoint {
                     w.write_all(&x.to_le_bytes())?;
                 }
             }
-            let f = w.into_inner().map_err(|e| e.into_error())?;
-            f.sync_all()?;
             Ok(())
-        };
-        if let Err(e) = write() {
-            let _ = std::fs::remove_file(&tmp);
-            return Err(e.context(format!("writing checkpoint {}", tmp.display())));
-        }
-        std::fs::rename(&tmp, path).with_context(|| {
-            format!("moving checkpoint {} to {}", tmp.display(), path.display())
-        })?;
+        })
+        .with_context(|| format!("writing checkpoint {}", path.display()))?;
         Ok(())
     }
 

@@ -217,6 +217,11 @@ pub struct TrainArgs {
     /// Continue from --checkpoint (same settings required; --steps may grow).
     #[arg(long, help_heading = "Run")]
     resume: bool,
+    /// Start a new run even where --checkpoint, --metrics, --summary or --out already
+    /// hold an earlier run's files, replacing them (without it, and without --resume, the
+    /// run stops before doing anything and names them).
+    #[arg(long, help_heading = "Run", conflicts_with = "resume")]
+    force: bool,
     /// Stop after GRPO step N, after writing the checkpoint, as an interrupted run would.
     #[arg(long, value_name = "N", help_heading = "Run")]
     stop_after: Option<usize>,
@@ -841,11 +846,43 @@ fn truncate_metrics(path: &Path, step: usize) -> anyhow::Result<()> {
     if !out.is_empty() {
         out.push('\n');
     }
-    std::fs::write(path, out).with_context(|| format!("rewriting metrics {}", path.display()))
+    hilore_models::atomic::write_bytes_atomic(path, out.as_bytes())
+        .with_context(|| format!("rewriting metrics {}", path.display()))
+}
+
+/// The files of an earlier run that a new one (without `--resume` or `--force`) would
+/// replace: the checkpoint, a non-empty metrics or summary file, a model in `--out`.
+fn earlier_outputs(args: &TrainArgs) -> Vec<String> {
+    let mut found = Vec::new();
+    if args.checkpoint.exists() {
+        found.push(format!("checkpoint {}", args.checkpoint.display()));
+    }
+    for (what, p) in [("metrics", &args.metrics), ("summary", &args.summary)] {
+        if let Some(p) = p {
+            if std::fs::metadata(p).is_ok_and(|m| m.len() > 0) {
+                found.push(format!("{what} {}", p.display()));
+            }
+        }
+    }
+    if let Some(dir) = &args.out {
+        if let Some(f) = zoo::model_files_in(dir) {
+            found.push(format!("--out {} (holds {f})", dir.display()));
+        }
+    }
+    found
 }
 
 pub fn run(args: TrainArgs) -> anyhow::Result<ExitCode> {
     let t_start = Instant::now();
+    if !args.resume && !args.force {
+        let found = earlier_outputs(&args);
+        if !found.is_empty() {
+            bail!(
+                "an earlier run's files are in the way: {}; pass --resume to continue that run, --force to start over and replace them, or other paths",
+                found.join(", ")
+            );
+        }
+    }
     let device = Device::Cpu;
     let task_name = args.task_name();
     if !TASK_NAMES.contains(&task_name.as_str()) {
@@ -1051,13 +1088,15 @@ pub fn run(args: TrainArgs) -> anyhow::Result<ExitCode> {
             opt,
             allocator,
         };
-        if let Some(m) = &args.metrics {
-            std::fs::write(m, "")
-                .with_context(|| format!("creating metrics file {}", m.display()))?;
-        }
         let mut run = run;
         run.state.seconds_total = t_start.elapsed().as_secs_f64();
         run.save(&args.checkpoint)?;
+        // After the first checkpoint, so a run that cannot write one leaves an earlier
+        // run's metrics as they were.
+        if let Some(m) = &args.metrics {
+            hilore_models::atomic::write_bytes_atomic(m, b"")
+                .with_context(|| format!("creating metrics file {}", m.display()))?;
+        }
         (run, None)
     };
     // Wall time of earlier processes of this run (a fresh run's own time is t_start's).
@@ -1320,7 +1359,8 @@ pub fn run(args: TrainArgs) -> anyhow::Result<ExitCode> {
         human_bytes(summary.optimizer_state_bytes)
     );
     if let Some(p) = &args.summary {
-        std::fs::write(p, serde_json::to_string_pretty(&summary)? + "\n")
+        let json = serde_json::to_string_pretty(&summary)? + "\n";
+        hilore_models::atomic::write_bytes_atomic(p, json.as_bytes())
             .with_context(|| format!("writing summary {}", p.display()))?;
     }
     Ok(ExitCode::SUCCESS)
