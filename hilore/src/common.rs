@@ -424,3 +424,44 @@ mod tests {
         assert!(e.contains("scripts/build-gpu.sh"), "{e}");
     }
 }
+
+/// The ranges a numeric flag may be checked against by [`check_flag`].
+#[derive(Debug, Clone, Copy)]
+pub enum Range {
+    /// `> 0`.
+    Positive,
+    /// `>= 0`.
+    NonNegative,
+    /// `(0, 1]`.
+    UpToOne,
+    /// `[0, 1)`.
+    Fraction,
+}
+
+/// Checks a numeric flag's value: finite and in `range`, else an error naming the flag,
+/// the value, the valid range and `hint` (what the usual values are, what 0 means).
+pub fn check_flag(flag: &str, v: f64, range: Range, hint: &str) -> anyhow::Result<()> {
+    let (ok, want) = match range {
+        Range::Positive => (v > 0.0, "a number > 0"),
+        Range::NonNegative => (v >= 0.0, "a number >= 0"),
+        Range::UpToOne => (v > 0.0 && v <= 1.0, "a number in (0, 1]"),
+        Range::Fraction => ((0.0..1.0).contains(&v), "a number in [0, 1)"),
+    };
+    if v.is_finite() && ok {
+        return Ok(());
+    }
+    let hint = if hint.is_empty() {
+        String::new()
+    } else {
+        format!(" ({hint})")
+    };
+    anyhow::bail!("{flag} is {v}; it must be {want}{hint}")
+}
+
+/// Checks a count flag: at least `min`, else an error naming the flag and `why`.
+pub fn check_count(flag: &str, v: usize, min: usize, why: &str) -> anyhow::Result<()> {
+    if v >= min {
+        return Ok(());
+    }
+    anyhow::bail!("{flag} is {v}; it must be at least {min} ({why})")
+}

@@ -15,7 +15,7 @@ mod tokenizer;
 mod train;
 mod units;
 
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
 use std::process::ExitCode;
 
 #[global_allocator]
@@ -87,8 +87,26 @@ enum Command {
     Export(export::ExportArgs),
 }
 
+/// The command line with negative numbers taken as values by every command: `--lr -1`
+/// is the value -1, which the command then checks and refuses naming the flag and its
+/// range, rather than an unknown flag `-1`.
+fn command_line() -> clap::Command {
+    let mut cmd = Cli::command().allow_negative_numbers(true);
+    let names: Vec<String> = cmd
+        .get_subcommands()
+        .map(|s| s.get_name().to_string())
+        .collect();
+    for n in names {
+        cmd = cmd.mut_subcommand(n, |s| s.allow_negative_numbers(true));
+    }
+    cmd
+}
+
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let cli = match Cli::from_arg_matches(&command_line().get_matches()) {
+        Ok(cli) => cli,
+        Err(e) => e.exit(),
+    };
     if let Err(e) = common::select_device(cli.device) {
         eprintln!("error: {e:#}");
         return ExitCode::from(2);

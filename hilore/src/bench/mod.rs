@@ -705,7 +705,41 @@ type PlannedPolicy = (Kind, Planned, Option<usize>, Option<f64>);
 pub fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
     let t_start = Instant::now();
     let load_start = load_average();
-    anyhow::ensure!(args.reps >= 1, "--reps must be at least 1");
+    {
+        use crate::common::{check_count, check_flag, Range};
+        check_count("--reps", args.reps, 1, "the median of that many repetitions is reported")?;
+        check_count("--sweep-reps", args.sweep_reps, 1, "repetitions of each sweep point")?;
+        check_count("--rows", args.rows, 1, "rows (tokens) of every microbatch")?;
+        check_count("--prompts", args.prompts, 1, "prompts of the GRPO step")?;
+        check_count(
+            "--group",
+            args.group,
+            2,
+            "with one response per prompt every advantage is 0 and no microbatch has exposure",
+        )?;
+        check_flag(
+            "--target-rel-l2",
+            args.target_rel_l2,
+            Range::Positive,
+            "the gradient's relative L2 error to allow; 1e-2 is the default",
+        )?;
+        for &b in &args.budgets {
+            check_flag(
+                "--budgets",
+                b,
+                Range::Positive,
+                "factors of full recompute's peak, e.g. 1,1.1,1.5",
+            )?;
+        }
+        for &t in &args.risk_targets {
+            check_flag(
+                "--risk-targets",
+                t,
+                Range::Positive,
+                "relative L2 errors, e.g. 0.003,0.03",
+            )?;
+        }
+    }
     let device: Device = crate::common::device();
     let cfg = match &args.config {
         Some(p) => crate::common::load_config(Some(p))?,

@@ -457,6 +457,52 @@ impl RunSettings {
         zoo: Option<&DecoderConfig>,
         default_max_new_tokens: usize,
     ) -> anyhow::Result<Self> {
+        use crate::common::{check_count, check_flag, Range};
+        check_count(
+            "--eval-samples",
+            a.eval_samples,
+            1,
+            "held-out accuracy is measured on that many samples per prompt",
+        )?;
+        for (flag, v, range, hint) in [
+            ("--lr", a.lr, Range::Positive, "2e-4 is usual"),
+            ("--sft-lr", a.sft_lr, Range::Positive, "3e-3 is usual"),
+            (
+                "--sft-target-loss",
+                a.sft_target_loss,
+                Range::NonNegative,
+                "0 runs every --sft-steps",
+            ),
+            ("--eps-low", a.eps_low as f64, Range::Fraction, "0.2 is usual"),
+            (
+                "--eps-high",
+                a.eps_high as f64,
+                Range::NonNegative,
+                "0.2, or 0.28 for DAPO's clip-higher",
+            ),
+            ("--beta", a.beta as f64, Range::NonNegative, "0 turns the KL term off"),
+            (
+                "--temperature",
+                a.temperature,
+                Range::Positive,
+                "1 samples from the policy as it is",
+            ),
+            ("--top-p", a.top_p, Range::UpToOne, "1 keeps every token"),
+            (
+                "--max-grad-norm",
+                a.max_grad_norm,
+                Range::NonNegative,
+                "0 turns clipping off",
+            ),
+            (
+                "--weight-decay",
+                a.weight_decay,
+                Range::NonNegative,
+                "0 turns it off",
+            ),
+        ] {
+            check_flag(flag, v, range, hint)?;
+        }
         let grpo = GrpoConfig {
             eps_low: a.eps_low,
             eps_high: a.eps_high,
@@ -519,11 +565,6 @@ impl RunSettings {
         for (flag, v) in positive {
             if v == 0 {
                 bail!("{flag} is 0; it must be at least 1");
-            }
-        }
-        for (flag, v) in [("--lr", a.lr), ("--sft-lr", a.sft_lr)] {
-            if !(v.is_finite() && v > 0.0) {
-                bail!("{flag} is {v}; it must be a positive number");
             }
         }
         if a.refresh_costs && a.policy != "hilore" {
