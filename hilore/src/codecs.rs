@@ -38,6 +38,19 @@ struct Row {
 
 pub fn run(args: CodecsArgs) -> anyhow::Result<ExitCode> {
     anyhow::ensure!(args.n > 0, "--n must be at least 1");
+    // The input, its encoding, the decoded copy and a memcpy target: about 4 x 4 bytes a
+    // value, checked before anything is allocated.
+    if let Some(mem) = hilore_models::machine_memory_bytes() {
+        let need = (args.n as u128).saturating_mul(16);
+        if need > mem as u128 {
+            anyhow::bail!(
+                "--n {} needs about {:.1} GiB (input, encoded, decoded and copied buffers of 4 bytes a value), more than this machine's {:.1} GiB; use a smaller --n (default 4194304)",
+                args.n,
+                need as f64 / (1u64 << 30) as f64,
+                mem as f64 / (1u64 << 30) as f64
+            );
+        }
+    }
     let mut rows = Vec::new();
     for codec in hilore_kernels::codecs() {
         if !args.json {

@@ -57,7 +57,7 @@ fn field<'a>(v: &'a serde_json::Value, key: &str, at: &str) -> anyhow::Result<&'
 }
 
 fn read_items(path: &Path, tok: &Tokenizer, cfg: &DecoderConfig) -> anyhow::Result<Vec<Item>> {
-    let text = std::fs::read_to_string(path)
+    let text = hilore_models::read_text_file(path)
         .with_context(|| format!("cannot read the input file {}", path.display()))?;
     let mut items = Vec::new();
     for (i, raw) in text.lines().enumerate() {

@@ -71,29 +71,31 @@ fn summary(dir: &Path) -> serde_json::Value {
     serde_json::from_str(&std::fs::read_to_string(dir.join("summary.json")).unwrap()).unwrap()
 }
 
-/// The checkpoint's tensor bytes (everything after the header).
+/// The checkpoint's tensor bytes (everything after the header; format version 2: magic,
+/// version, header length, header CRC-32, header).
 fn checkpoint_tensors(dir: &Path) -> Vec<u8> {
     let b = std::fs::read(dir.join("run.ckpt")).unwrap();
     let n = u64::from_le_bytes(b[16..24].try_into().unwrap()) as usize;
-    b[24 + n..].to_vec()
+    b[28 + n..].to_vec()
 }
 
 /// The checkpoint's JSON header.
 fn checkpoint_header(dir: &Path) -> serde_json::Value {
     let b = std::fs::read(dir.join("run.ckpt")).unwrap();
     let n = u64::from_le_bytes(b[16..24].try_into().unwrap()) as usize;
-    serde_json::from_slice(&b[24..24 + n]).unwrap()
+    serde_json::from_slice(&b[28..28 + n]).unwrap()
 }
 
-/// Rewrites the checkpoint with `header` (same tensors).
+/// Rewrites the checkpoint with `header` (same tensors, the header's checksum updated).
 fn write_checkpoint_header(dir: &Path, header: &serde_json::Value) {
     let b = std::fs::read(dir.join("run.ckpt")).unwrap();
     let n = u64::from_le_bytes(b[16..24].try_into().unwrap()) as usize;
     let h = serde_json::to_vec(header).unwrap();
     let mut out = b[..16].to_vec();
     out.extend_from_slice(&(h.len() as u64).to_le_bytes());
+    out.extend_from_slice(&crc32fast::hash(&h).to_le_bytes());
     out.extend_from_slice(&h);
-    out.extend_from_slice(&b[24 + n..]);
+    out.extend_from_slice(&b[28 + n..]);
     std::fs::write(dir.join("run.ckpt"), out).unwrap();
 }
 
@@ -389,7 +391,9 @@ fn resume_after_calibration_with_lossy_plans_is_bit_identical() {
     let out = run_ok(&tiny(&c, &[&LOSSY[..], &["--resume"]].concat()));
     assert!(out.contains("holds no allocator state"), "{out}");
     assert_eq!(deterministic_metrics(&c).len(), 6);
-    // A corrupt allocator state is a clear error.
+    // A corrupt allocator state is a clear error (the header of `c`'s own checkpoint, so
+    // its tensors' checksums hold).
+    let mut h = checkpoint_header(&c);
     h["state"]["allocator"] = serde_json::json!({"calibrated": "yes"});
     write_checkpoint_header(&c, &h);
     let args = tiny(&c, &[&LOSSY[..], &["--resume"]].concat());
@@ -547,7 +551,7 @@ fn bad_input_is_a_clear_error() {
     let e = err_of(&["--policy", "compress-fp3"]);
     assert!(e.contains("fp3"), "{e}");
     let e = err_of(&["--eps-low", "1.5"]);
-    assert!(e.contains("eps_low"), "{e}");
+    assert!(e.contains("--eps-low") && e.contains("[0, 1)"), "{e}");
     let e = err_of(&["--aggregation", "sum"]);
     assert!(e.contains("token-mean"), "{e}");
     let e = err_of(&["--digits", "0"]);
@@ -646,7 +650,7 @@ fn a_new_run_never_replaces_an_earlier_runs_files_unless_forced() {
             .find(|(n, _)| n == "run.ckpt")
             .map(|(_, b)| {
                 let h = u64::from_le_bytes(b[16..24].try_into().unwrap()) as usize;
-                b[24 + h..].to_vec()
+                b[28 + h..].to_vec()
             })
             .unwrap()
     );

@@ -238,11 +238,21 @@ fn parse_rope_scaling(
             "expected an object such as {\"rope_type\": \"llama3\", \"factor\": 8.0, ...}",
         ));
     };
-    let ty = obj
-        .get("rope_type")
-        .or_else(|| obj.get("type"))
-        .and_then(Value::as_str)
-        .unwrap_or("default");
+    let ty = match obj.get("rope_type").or_else(|| obj.get("type")) {
+        None | Some(Value::Null) => "default",
+        Some(Value::String(t)) => t.as_str(),
+        Some(other) => {
+            return Err(invalid(
+                origin,
+                field,
+                format!("has rope_type `{other}`, not a name"),
+                format!(
+                    "give one of {} as a string",
+                    SUPPORTED_ROPE_TYPES.join(", ")
+                ),
+            ))
+        }
+    };
     let num = |key: &str| -> Result<f64, ModelError> {
         obj.get(key).and_then(Value::as_f64).ok_or_else(|| {
             invalid(
@@ -326,11 +336,20 @@ impl RawConfig {
         let mut model_type = self.model_type;
         for a in &archs {
             match SUPPORTED_ARCHITECTURES.iter().find(|(n, _)| n == a) {
-                Some((_, t)) => {
-                    if model_type.is_none() {
-                        model_type = Some(t.to_string());
+                Some((_, t)) => match &model_type {
+                    None => model_type = Some(t.to_string()),
+                    // Another family's weights read as this one would lose what tells
+                    // them apart (Qwen2's q/k/v biases, Qwen3's q/k norms).
+                    Some(m) if m != t => {
+                        return Err(invalid(
+                            origin,
+                            "architectures",
+                            format!("names `{a}` (model_type `{t}`) but model_type is `{m}`"),
+                            "the two must name the same family: fix whichever is wrong",
+                        ))
                     }
-                }
+                    Some(_) => {}
+                },
                 None => {
                     return Err(invalid(
                         origin,
@@ -574,7 +593,7 @@ impl DecoderConfig {
     /// Reads an HF `config.json`. Errors name the file and the field.
     pub fn from_json_file(path: impl AsRef<Path>) -> Result<Self, ModelError> {
         let path = path.as_ref();
-        let text = std::fs::read_to_string(path).map_err(|source| ModelError::ConfigIo {
+        let text = crate::read_text_file(path).map_err(|source| ModelError::ConfigIo {
             path: path.to_path_buf(),
             source,
         })?;
@@ -679,6 +698,27 @@ impl DecoderConfig {
                 "it must be a positive number (10000 or 1000000 are usual)",
             ));
         }
+        // Sizes against the machine, before anything is allocated: the f32 weights alone
+        // must fit in its memory (training needs about five times that).
+        let weights = self.param_count().saturating_mul(4);
+        if let Some(mem) = crate::machine_memory_bytes() {
+            if weights > mem as u128 {
+                return Err(invalid(
+                    origin,
+                    "num_hidden_layers",
+                    format!(
+                        "with hidden_size {}, intermediate_size {} and vocab_size {} gives {} parameters, {:.1} GiB of f32 weights, more than this machine's {:.1} GiB of memory",
+                        self.hidden_size,
+                        self.intermediate_size,
+                        self.vocab_size,
+                        self.param_count(),
+                        weights as f64 / (1u64 << 30) as f64,
+                        mem as f64 / (1u64 << 30) as f64
+                    ),
+                    "use a config whose sizes fit this machine",
+                ));
+            }
+        }
         if self.layers_windowed() && self.sliding_window == Some(0) {
             return Err(invalid(
                 origin,
@@ -703,6 +743,42 @@ impl DecoderConfig {
 
     fn layers_windowed(&self) -> bool {
         self.model_type.as_deref() == Some("mistral") || self.use_sliding_window == Some(true)
+    }
+
+    /// The decoder's parameter count, in `u128` so that absurd sizes do not overflow:
+    /// per layer the q/k/v/o projections (with q/k/v biases where the family has them,
+    /// q/k norms for Qwen3), the three MLP matrices and two norms; the embedding, the
+    /// final norm and an untied head.
+    pub fn param_count(&self) -> u128 {
+        let (h, i, v) = (
+            self.hidden_size as u128,
+            self.intermediate_size as u128,
+            self.vocab_size as u128,
+        );
+        let (q, kv, d) = (
+            (self.num_attention_heads as u128).saturating_mul(self.head_dim as u128),
+            (self.num_key_value_heads as u128).saturating_mul(self.head_dim as u128),
+            self.head_dim as u128,
+        );
+        let attn = h
+            .saturating_mul(q.saturating_add(2 * kv))
+            .saturating_add(q.saturating_mul(h))
+            .saturating_add(if self.attention_bias { q + 2 * kv } else { 0 })
+            .saturating_add(if self.o_proj_bias() { h } else { 0 })
+            .saturating_add(if self.qk_norm() { 2 * d } else { 0 });
+        let layer = attn
+            .saturating_add(h.saturating_mul(i).saturating_mul(3))
+            .saturating_add(2 * h);
+        let head = if self.tie_word_embeddings {
+            0
+        } else {
+            v.saturating_mul(h)
+        };
+        layer
+            .saturating_mul(self.num_hidden_layers as u128)
+            .saturating_add(v.saturating_mul(h))
+            .saturating_add(h)
+            .saturating_add(head)
     }
 
     /// Query heads per key/value head.

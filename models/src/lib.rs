@@ -93,4 +93,31 @@ pub use decoder::{
     NORM_INIT_STD,
 };
 pub use error::ModelError;
+
+/// Reads a text file (JSON, JSONL): refuses what is not a regular file (a FIFO or device
+/// would block the read or never end it) and drops a leading UTF-8 byte-order mark, which
+/// editors on some systems write and which JSON parsers reject.
+pub fn read_text_file(path: &std::path::Path) -> std::io::Result<String> {
+    let meta = std::fs::metadata(path)?;
+    if !meta.is_file() {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            "not a regular file (a directory, FIFO or device); give a plain file",
+        ));
+    }
+    let text = std::fs::read_to_string(path)?;
+    Ok(match text.strip_prefix('\u{feff}') {
+        Some(rest) => rest.to_string(),
+        None => text,
+    })
+}
+
+/// This machine's memory in bytes (`MemTotal` of `/proc/meminfo`), `None` where it cannot
+/// be read: what sizes are checked against before anything is allocated.
+pub fn machine_memory_bytes() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = text.lines().find(|l| l.starts_with("MemTotal:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    kib.checked_mul(1024)
+}
 pub use tokenizer::Tokenizer;

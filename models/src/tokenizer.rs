@@ -30,7 +30,7 @@ impl Tokenizer {
     /// Reads a `tokenizer.json`. Errors name the file.
     pub fn from_file(path: impl AsRef<Path>) -> Result<Self, ModelError> {
         let path = path.as_ref();
-        let json = std::fs::read_to_string(path).map_err(|e| ModelError::File {
+        let json = crate::read_text_file(path).map_err(|e| ModelError::File {
             path: path.to_path_buf(),
             problem: format!("cannot read the tokenizer: {e}"),
         })?;

@@ -118,7 +118,7 @@ fn weight_files(dir: &Path) -> Result<(PathBuf, BTreeMap<PathBuf, Vec<String>>),
             format!("has no weights: expected {WEIGHTS_FILE} or {WEIGHTS_INDEX_FILE} (sharded safetensors)"),
         ));
     }
-    let text = std::fs::read_to_string(&index)
+    let text = crate::read_text_file(&index)
         .map_err(|e| file_err(&index, format!("cannot read the shard index: {e}")))?;
     let json: serde_json::Value = serde_json::from_str(&text).map_err(|e| {
         file_err(
@@ -156,6 +156,40 @@ fn weight_files(dir: &Path) -> Result<(PathBuf, BTreeMap<PathBuf, Vec<String>>),
             .push(tensor.clone());
     }
     Ok((index, files))
+}
+
+/// The first non-finite value of `t` (flat index and value), if any.
+fn first_non_finite(t: &Tensor) -> Option<(usize, f32)> {
+    let v: Vec<f32> = t.flatten_all().ok()?.to_vec1().ok()?;
+    v.iter().position(|x| !x.is_finite()).map(|i| (i, v[i]))
+}
+
+/// Checks that `path` is a regular file (not a FIFO or a device, which a read would block
+/// on or never finish) that resolves inside `dir` (a symlinked shard may not lead out of
+/// the model directory).
+pub fn inside_regular_file(dir: &Path, path: &Path) -> Result<(), ModelError> {
+    let meta =
+        std::fs::metadata(path).map_err(|e| file_err(path, format!("cannot read it: {e}")))?;
+    if !meta.is_file() {
+        return Err(file_err(
+            path,
+            "is not a regular file (a directory, FIFO or device); a model directory holds plain files",
+        ));
+    }
+    let (Ok(d), Ok(p)) = (dir.canonicalize(), path.canonicalize()) else {
+        return Ok(());
+    };
+    if !p.starts_with(&d) {
+        return Err(file_err(
+            path,
+            format!(
+                "resolves to {}, outside the model directory {}; copy the file into it instead of linking",
+                p.display(),
+                d.display()
+            ),
+        ));
+    }
+    Ok(())
 }
 
 /// Why a safetensors file could not be parsed, in words that say what was expected.
@@ -244,6 +278,7 @@ pub fn load_weights(
     }
     let mut out = HashMap::new();
     for (path, listed) in &files {
+        inside_regular_file(dir, path)?;
         let bytes = std::fs::read(path).map_err(|e| {
             file_err(
                 path,
@@ -305,6 +340,15 @@ pub fn load_weights(
                     tensor: name.clone(),
                     problem: format!("cannot be read: {e}"),
                 })?;
+            if let Some((i, v)) = first_non_finite(&t) {
+                return Err(ModelError::Tensor {
+                    path: path.clone(),
+                    tensor: name.clone(),
+                    problem: format!(
+                        "has a non-finite value ({v}) at flat index {i}; the checkpoint is damaged or was saved after a diverged step"
+                    ),
+                });
+            }
             out.insert(name, t);
         }
     }

@@ -177,6 +177,33 @@ fn config_errors_name_the_file_the_field_and_the_fix() {
     );
     assert!(e.contains("`rms_norm_eps`"), "{e}");
 
+    // Another family's architecture under this model_type: refused, naming both.
+    let e = err(
+        "family.json",
+        &format!(
+            r#"{{{base}, "num_attention_heads": 2, "model_type": "llama", "architectures": ["Qwen2ForCausalLM"]}}"#
+        ),
+    );
+    assert!(
+        e.contains("`architectures`") && e.contains("Qwen2ForCausalLM") && e.contains("`llama`"),
+        "{e}"
+    );
+    // A rope_type that is not a name is not silently the default.
+    let e = err(
+        "ropetype.json",
+        &format!(r#"{{{base}, "num_attention_heads": 2, "rope_scaling": {{"rope_type": 7}}}}"#),
+    );
+    assert!(e.contains("`rope_scaling`") && e.contains("7"), "{e}");
+    // Sizes beyond the machine: an error before anything is allocated (a billion layers).
+    let e = err(
+        "huge.json",
+        r#"{"vocab_size": 10, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1000000000, "num_attention_heads": 2}"#,
+    );
+    assert!(
+        e.contains("`num_hidden_layers`") && e.contains("GiB of memory"),
+        "{e}"
+    );
+
     let missing = std::env::temp_dir().join("hilore-models-no-such-dir/config.json");
     let e = DecoderConfig::from_json_file(&missing).unwrap_err();
     assert!(matches!(e, ModelError::ConfigIo { .. }));
@@ -228,4 +255,30 @@ fn batch_errors_name_the_sequence() {
         c.inputs.to_vec1::<u32>().unwrap()
     );
     assert_eq!(a.num_tokens(), 12);
+}
+
+#[test]
+fn param_count_is_the_decoders() {
+    let base = DecoderConfig::tiny();
+    let qwen2 = DecoderConfig {
+        model_type: Some("qwen2".into()),
+        attention_bias: true,
+        ..base.clone()
+    };
+    let qwen3 = DecoderConfig {
+        model_type: Some("qwen3".into()),
+        ..base.clone()
+    };
+    let llama_bias = DecoderConfig {
+        attention_bias: true,
+        ..base.clone()
+    };
+    let tied = DecoderConfig {
+        tie_word_embeddings: true,
+        ..DecoderConfig::bench()
+    };
+    for cfg in [base, DecoderConfig::bench(), qwen2, qwen3, llama_bias, tied] {
+        let model = hilore_models::Decoder::random(&cfg, 1, &Device::Cpu).unwrap();
+        assert_eq!(cfg.param_count(), model.num_params() as u128, "{cfg:?}");
+    }
 }

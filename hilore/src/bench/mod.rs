@@ -707,8 +707,18 @@ pub fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
     let load_start = load_average();
     {
         use crate::common::{check_count, check_flag, Range};
-        check_count("--reps", args.reps, 1, "the median of that many repetitions is reported")?;
-        check_count("--sweep-reps", args.sweep_reps, 1, "repetitions of each sweep point")?;
+        check_count(
+            "--reps",
+            args.reps,
+            1,
+            "the median of that many repetitions is reported",
+        )?;
+        check_count(
+            "--sweep-reps",
+            args.sweep_reps,
+            1,
+            "repetitions of each sweep point",
+        )?;
         check_count("--rows", args.rows, 1, "rows (tokens) of every microbatch")?;
         check_count("--prompts", args.prompts, 1, "prompts of the GRPO step")?;
         check_count(

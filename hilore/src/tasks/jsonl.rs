@@ -85,7 +85,7 @@ struct Line {
 
 /// Reads every example of a JSONL file; errors name the file and the line.
 fn read_examples(path: &Path) -> anyhow::Result<Vec<Example>> {
-    let text = std::fs::read_to_string(path)
+    let text = hilore_models::read_text_file(path)
         .with_context(|| format!("cannot read dataset {}", path.display()))?;
     let mut out = Vec::new();
     for (i, raw) in text.lines().enumerate() {

@@ -1,10 +1,14 @@
 //! Training checkpoints: one file, written atomically.
 //!
-//! Layout: the 12-byte magic `HILORE-CKPT\0`, a little-endian `u32` format version, a
-//! little-endian `u64` header length, the header (JSON: the run's settings, the training
-//! state, and the name and shape of every tensor), then every tensor's `f32` values,
-//! little-endian, in header order. `f32` bits round-trip exactly, which is what lets a
-//! resumed run continue bit for bit.
+//! Layout (format version 2): the 12-byte magic `HILORE-CKPT\0`, a little-endian `u32`
+//! format version, a little-endian `u64` header length, the header's CRC-32 (`u32`), the
+//! header (JSON: the run's settings, the training state, and the name, shape and CRC-32
+//! of every tensor), then every tensor's `f32` values, little-endian, in header order.
+//! `f32` bits round-trip exactly, which is what lets a resumed run continue bit for bit.
+//! Reading checks, before allocating anything, that the tensors' sizes add up to the
+//! file's length, then every checksum and that every value is finite: a corrupt or
+//! truncated checkpoint is an error naming the file and the tensor. Version 1 (the same
+//! without checksums) is still read.
 //!
 //! Writing goes to a temporary file in the same directory, flushed to disk, then renamed
 //! over the destination: a crash leaves either the old checkpoint or the new one, never a
@@ -16,7 +20,7 @@ use std::io::{Read, Write};
 use std::path::Path;
 
 const MAGIC: &[u8; 12] = b"HILORE-CKPT\0";
-const VERSION: u32 = 1;
+const VERSION: u32 = 2;
 
 /// Prefix of a JSON string that holds an `f64`'s bits (see [`floats_to_bits`]).
 const F64_BITS: &str = "f64:";
@@ -79,6 +83,14 @@ pub struct NamedTensor {
 struct TensorEntry {
     name: String,
     shape: Vec<usize>,
+    /// CRC-32 of the tensor's little-endian bytes (absent in version 1).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    crc32: Option<u32>,
+}
+
+/// The little-endian bytes of `data`.
+fn le_bytes(data: &[f32]) -> Vec<u8> {
+    data.iter().flat_map(|x| x.to_le_bytes()).collect()
 }
 
 #[derive(Serialize, Deserialize)]
@@ -111,6 +123,7 @@ impl Checkpoint {
                 .map(|t| TensorEntry {
                     name: t.name.clone(),
                     shape: t.shape.clone(),
+                    crc32: Some(crc32fast::hash(&le_bytes(&t.data))),
                 })
                 .collect(),
         };
@@ -131,6 +144,7 @@ impl Checkpoint {
             w.write_all(MAGIC)?;
             w.write_all(&VERSION.to_le_bytes())?;
             w.write_all(&(header.len() as u64).to_le_bytes())?;
+            w.write_all(&crc32fast::hash(&header).to_le_bytes())?;
             w.write_all(&header)?;
             for t in &self.tensors {
                 for &x in &t.data {
@@ -146,7 +160,16 @@ impl Checkpoint {
     /// Reads a checkpoint written by [`Checkpoint::save_atomic`].
     pub fn load(path: &Path) -> anyhow::Result<Self> {
         let ctx = || format!("reading checkpoint {}", path.display());
-        let mut f = std::io::BufReader::new(std::fs::File::open(path).with_context(ctx)?);
+        let file = std::fs::File::open(path).with_context(ctx)?;
+        let meta = file.metadata().with_context(ctx)?;
+        if !meta.is_file() {
+            bail!(
+                "checkpoint {} is not a regular file; give the path of a checkpoint file",
+                path.display()
+            );
+        }
+        let file_len = meta.len();
+        let mut f = std::io::BufReader::new(file);
         let mut magic = [0u8; 12];
         f.read_exact(&mut magic).with_context(ctx)?;
         if &magic != MAGIC {
@@ -155,22 +178,63 @@ impl Checkpoint {
         let mut b4 = [0u8; 4];
         f.read_exact(&mut b4).with_context(ctx)?;
         let version = u32::from_le_bytes(b4);
-        if version != VERSION {
+        if version != VERSION && version != 1 {
             bail!(
-                "checkpoint {} has format version {version}; this hilore reads version {VERSION}",
+                "checkpoint {} has format version {version}; this hilore reads versions 1 and {VERSION}",
                 path.display()
             );
         }
         let mut b8 = [0u8; 8];
         f.read_exact(&mut b8).with_context(ctx)?;
-        let n = u64::from_le_bytes(b8) as usize;
-        if n > 1 << 30 {
-            bail!("checkpoint {} has a corrupt header length", path.display());
+        let n = u64::from_le_bytes(b8);
+        let prefix: u64 = if version == 1 { 24 } else { 28 };
+        if n > file_len.saturating_sub(prefix) {
+            bail!(
+                "checkpoint {} has a corrupt header length ({n} bytes in a file of {file_len})",
+                path.display()
+            );
         }
-        let mut header = vec![0u8; n];
+        let want_crc = if version == 1 {
+            None
+        } else {
+            f.read_exact(&mut b4).with_context(ctx)?;
+            Some(u32::from_le_bytes(b4))
+        };
+        let mut header = vec![0u8; n as usize];
         f.read_exact(&mut header).with_context(ctx)?;
+        if let Some(c) = want_crc {
+            if crc32fast::hash(&header) != c {
+                bail!(
+                    "checkpoint {} is corrupt: its header does not match its checksum",
+                    path.display()
+                );
+            }
+        }
         let header: Header = serde_json::from_slice(&header)
             .with_context(|| format!("checkpoint {} has a corrupt header", path.display()))?;
+        // The tensors' sizes against the bytes the file has, before allocating any.
+        let mut left = file_len - prefix - n;
+        for e in &header.tensors {
+            let bytes = e
+                .shape
+                .iter()
+                .try_fold(4u64, |acc, &d| acc.checked_mul(d as u64));
+            match bytes {
+                Some(b) if b <= left => left -= b,
+                _ => bail!(
+                    "checkpoint {} is corrupt or truncated: tensor {} of shape {:?} needs more bytes than the file has left ({left})",
+                    path.display(),
+                    e.name,
+                    e.shape
+                ),
+            }
+        }
+        if left != 0 {
+            bail!(
+                "checkpoint {} has {left} trailing bytes after its last tensor",
+                path.display()
+            );
+        }
         let mut tensors = Vec::with_capacity(header.tensors.len());
         for e in header.tensors {
             let len: usize = e.shape.iter().product();
@@ -182,22 +246,30 @@ impl Checkpoint {
                     e.name
                 )
             })?;
-            let data = bytes
+            if version != 1 && e.crc32 != Some(crc32fast::hash(&bytes)) {
+                bail!(
+                    "checkpoint {} is corrupt: tensor {} does not match its checksum",
+                    path.display(),
+                    e.name
+                );
+            }
+            let data: Vec<f32> = bytes
                 .chunks_exact(4)
                 .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
                 .collect();
+            if let Some(i) = data.iter().position(|x| !x.is_finite()) {
+                bail!(
+                    "checkpoint {}: tensor {} has a non-finite value ({}) at flat index {i}",
+                    path.display(),
+                    e.name,
+                    data[i]
+                );
+            }
             tensors.push(NamedTensor {
                 name: e.name,
                 shape: e.shape,
                 data,
             });
-        }
-        let mut rest = [0u8; 1];
-        if f.read(&mut rest).with_context(ctx)? != 0 {
-            bail!(
-                "checkpoint {} has trailing bytes after its last tensor",
-                path.display()
-            );
         }
         Ok(Checkpoint {
             run: header.run,
@@ -277,10 +349,55 @@ mod tests {
         // No temporary file is left behind.
         let left: Vec<_> = std::fs::read_dir(&dir).unwrap().collect();
         assert_eq!(left.len(), 1);
-        // A truncated file is an error, not a panic.
         let bytes = std::fs::read(&path).unwrap();
-        std::fs::write(&path, &bytes[..bytes.len() - 3]).unwrap();
-        assert!(Checkpoint::load(&path).is_err());
+        let err = |b: &[u8]| {
+            std::fs::write(&path, b).unwrap();
+            let e = format!("{:#}", Checkpoint::load(&path).unwrap_err());
+            assert!(e.contains("a.ckpt"), "the file is named: {e}");
+            e
+        };
+        // A truncated file is an error naming the tensor that does not fit.
+        let e = err(&bytes[..bytes.len() - 3]);
+        assert!(e.contains("tensor b"), "{e}");
+        // Every flipped bit is found: in the header (by its checksum, or the length
+        // field) or in a tensor (named).
+        let n = u64::from_le_bytes(bytes[16..24].try_into().unwrap()) as usize;
+        for byte in 16..bytes.len() {
+            let mut b = bytes.clone();
+            b[byte] ^= 0x10;
+            let e = err(&b);
+            if byte >= 28 + n {
+                let t = if byte < 28 + n + 24 {
+                    "tensor w"
+                } else {
+                    "tensor b"
+                };
+                assert!(e.contains(t), "byte {byte}: {e}");
+            }
+        }
+        // A tensor shape of 2^40 elements is an error before anything is allocated.
+        let mut h: serde_json::Value = serde_json::from_slice(&bytes[28..28 + n]).unwrap();
+        h["tensors"][0]["shape"] = serde_json::json!([1u64 << 40]);
+        let hb = serde_json::to_vec(&h).unwrap();
+        let mut b = bytes[..16].to_vec();
+        b.extend_from_slice(&(hb.len() as u64).to_le_bytes());
+        b.extend_from_slice(&crc32fast::hash(&hb).to_le_bytes());
+        b.extend_from_slice(&hb);
+        b.extend_from_slice(&bytes[28 + n..]);
+        let e = err(&b);
+        assert!(e.contains("tensor w") && e.contains("1099511627776"), "{e}");
+        // A non-finite value is named with its tensor and index.
+        let bad = Checkpoint {
+            tensors: vec![NamedTensor {
+                name: "w".into(),
+                shape: vec![3],
+                data: vec![0.0, f32::NAN, 1.0],
+            }],
+            ..ck.clone()
+        };
+        bad.save_atomic(&path).unwrap();
+        let e = format!("{:#}", Checkpoint::load(&path).unwrap_err());
+        assert!(e.contains("tensor w") && e.contains("index 1"), "{e}");
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }

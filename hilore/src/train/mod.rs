@@ -473,14 +473,24 @@ impl RunSettings {
                 Range::NonNegative,
                 "0 runs every --sft-steps",
             ),
-            ("--eps-low", a.eps_low as f64, Range::Fraction, "0.2 is usual"),
+            (
+                "--eps-low",
+                a.eps_low as f64,
+                Range::Fraction,
+                "0.2 is usual",
+            ),
             (
                 "--eps-high",
                 a.eps_high as f64,
                 Range::NonNegative,
                 "0.2, or 0.28 for DAPO's clip-higher",
             ),
-            ("--beta", a.beta as f64, Range::NonNegative, "0 turns the KL term off"),
+            (
+                "--beta",
+                a.beta as f64,
+                Range::NonNegative,
+                "0 turns the KL term off",
+            ),
             (
                 "--temperature",
                 a.temperature,
@@ -580,6 +590,7 @@ impl RunSettings {
         if max_new_tokens == 0 {
             bail!("--max-new-tokens is 0; responses need at least one token");
         }
+        check_sizes(a, &model, max_new_tokens)?;
         Ok(RunSettings {
             task: spec_of(a),
             heldout: a.heldout,
@@ -889,6 +900,41 @@ fn truncate_metrics(path: &Path, step: usize) -> anyhow::Result<()> {
     }
     hilore_models::atomic::write_bytes_atomic(path, out.as_bytes())
         .with_context(|| format!("rewriting metrics {}", path.display()))
+}
+
+/// Checks what a run would allocate against this machine's memory before anything is:
+/// the training state (weights, the reference policy, gradients and AdamW's two moments:
+/// five `f32` copies of the parameters) and the step's rollout (every response's tokens
+/// and key/value cache, a lower bound), with the size asked for, the limit and the fix.
+fn check_sizes(a: &TrainArgs, model: &DecoderConfig, max_new_tokens: usize) -> anyhow::Result<()> {
+    let Some(mem) = hilore_models::machine_memory_bytes() else {
+        return Ok(());
+    };
+    let gib = |b: u128| b as f64 / (1u64 << 30) as f64;
+    let state = model.param_count().saturating_mul(5 * 4);
+    if state > mem as u128 {
+        bail!(
+            "the model has {} parameters: its training state (weights, reference policy, gradients, AdamW moments: 5 x 4 bytes each) needs {:.1} GiB, more than this machine's {:.1} GiB; use fewer or smaller layers (--layers, --hidden, --intermediate) or a smaller --config",
+            model.param_count(),
+            gib(state),
+            gib(mem as u128)
+        );
+    }
+    let responses = (a.prompts as u128).saturating_mul(a.group_size as u128);
+    let kv_per_token = 2 * model.num_hidden_layers as u128 * model.kv_dim() as u128 * 4;
+    let rollout = responses
+        .saturating_mul(max_new_tokens as u128)
+        .saturating_mul(kv_per_token.saturating_add(4));
+    if rollout > mem as u128 {
+        bail!(
+            "--prompts {} x --group-size {} = {responses} responses of up to {max_new_tokens} tokens: their key/value caches alone need {:.1} GiB, more than this machine's {:.1} GiB; use fewer --prompts or a smaller --group-size",
+            a.prompts,
+            a.group_size,
+            gib(rollout),
+            gib(mem as u128)
+        );
+    }
+    Ok(())
 }
 
 /// The files of an earlier run that a new one (without `--resume` or `--force`) would
