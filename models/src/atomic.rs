@@ -118,6 +118,30 @@ impl Staged {
         path: &Path,
         write: impl FnOnce(&Path) -> io::Result<()>,
     ) -> io::Result<()> {
+        // A symlink's target is what gets replaced (the link stays). Only a regular file
+        // (or nothing) is replaced: renaming over a device or a FIFO (`/dev/full`, a pipe
+        // a user meant to stream to) would remove it.
+        let resolved;
+        let path = match std::fs::symlink_metadata(path) {
+            Ok(m) if m.file_type().is_symlink() => {
+                resolved = std::fs::canonicalize(path)
+                    .map_err(|e| named(path, "cannot follow the link", e))?;
+                resolved.as_path()
+            }
+            _ => path,
+        };
+        if let Ok(meta) = std::fs::metadata(path) {
+            if !meta.is_file() {
+                return Err(named(
+                    path,
+                    "cannot write",
+                    io::Error::new(
+                        io::ErrorKind::InvalidInput,
+                        "it exists and is not a regular file (a directory, FIFO or device); give the path of a plain file",
+                    ),
+                ));
+            }
+        }
         remove_stale_temps(path).map_err(|e| named(path, "cannot remove old temporaries", e))?;
         let tmp = temp_path(path);
         // Registered first, so a failure below removes what was written.
@@ -224,6 +248,37 @@ mod tests {
         assert_eq!(std::fs::read(&a).unwrap(), b"new a");
         assert_eq!(std::fs::read(&b).unwrap(), b"new b");
         assert_eq!(std::fs::read_dir(&d).unwrap().count(), 2);
+    }
+
+    #[test]
+    fn only_regular_files_are_replaced() {
+        let d = dir("special");
+        let link = d.join("link");
+        std::fs::write(d.join("target"), b"kept").unwrap();
+        #[cfg(unix)]
+        std::os::unix::fs::symlink(d.join("target"), &link).unwrap();
+        #[cfg(unix)]
+        {
+            // Through a link: its target is replaced, the link kept.
+            write_bytes_atomic(&link, b"new").unwrap();
+            assert_eq!(std::fs::read(d.join("target")).unwrap(), b"new");
+            assert!(std::fs::symlink_metadata(&link)
+                .unwrap()
+                .file_type()
+                .is_symlink());
+            // A FIFO is refused and left in place.
+            let fifo = d.join("fifo");
+            assert!(std::process::Command::new("mkfifo")
+                .arg(&fifo)
+                .status()
+                .unwrap()
+                .success());
+            let e = write_bytes_atomic(&fifo, b"new").unwrap_err();
+            assert!(e.to_string().contains("not a regular file"), "{e}");
+            assert!(!std::fs::metadata(&fifo).unwrap().is_file());
+        }
+        let e = write_bytes_atomic(&d, b"new").unwrap_err();
+        assert!(e.to_string().contains("not a regular file"), "{e}");
     }
 
     #[test]

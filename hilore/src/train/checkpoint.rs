@@ -160,15 +160,16 @@ impl Checkpoint {
     /// Reads a checkpoint written by [`Checkpoint::save_atomic`].
     pub fn load(path: &Path) -> anyhow::Result<Self> {
         let ctx = || format!("reading checkpoint {}", path.display());
-        let file = std::fs::File::open(path).with_context(ctx)?;
-        let meta = file.metadata().with_context(ctx)?;
+        // Checked before opening: opening a FIFO blocks until something writes to it.
+        let meta = std::fs::metadata(path).with_context(ctx)?;
         if !meta.is_file() {
             bail!(
                 "checkpoint {} is not a regular file; give the path of a checkpoint file",
                 path.display()
             );
         }
-        let file_len = meta.len();
+        let file = std::fs::File::open(path).with_context(ctx)?;
+        let file_len = file.metadata().with_context(ctx)?.len();
         let mut f = std::io::BufReader::new(file);
         let mut magic = [0u8; 12];
         f.read_exact(&mut magic).with_context(ctx)?;

@@ -562,7 +562,8 @@ impl RunSettings {
                     head_dim: a.hidden / a.heads,
                     ..DecoderConfig::tiny()
                 };
-                cfg.validate().context("model flags")?;
+                cfg.validate()
+                    .context("model flags (--layers, --hidden, --heads, --kv-heads, --intermediate)")?;
                 cfg
             }
         };
@@ -961,6 +962,29 @@ fn earlier_outputs(args: &TrainArgs) -> Vec<String> {
 
 pub fn run(args: TrainArgs) -> anyhow::Result<ExitCode> {
     let t_start = Instant::now();
+    // Outputs that could never be written are refused before any work.
+    for (flag, p) in [
+        ("--checkpoint", Some(&args.checkpoint)),
+        ("--metrics", args.metrics.as_ref()),
+        ("--summary", args.summary.as_ref()),
+    ] {
+        if let Some(p) = p {
+            if std::fs::metadata(p).is_ok_and(|m| !m.is_file()) {
+                bail!(
+                    "{flag} {}: it exists and is not a regular file (a directory, FIFO or device); give the path of a plain file",
+                    p.display()
+                );
+            }
+        }
+    }
+    if let Some(dir) = &args.out {
+        if std::fs::metadata(dir).is_ok_and(|m| !m.is_dir()) {
+            bail!(
+                "--out {}: it exists and is not a directory; give a directory for the model",
+                dir.display()
+            );
+        }
+    }
     if !args.resume && !args.force {
         let found = earlier_outputs(&args);
         if !found.is_empty() {
