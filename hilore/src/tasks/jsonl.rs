@@ -255,4 +255,52 @@ mod tests {
             assert_eq!(ds.reward(&ex, good), Reward::CORRECT, "{good:?}");
         }
     }
+
+    use proptest::prelude::*;
+
+    /// Pieces JSONL lines are made of, valid and not.
+    fn piece() -> impl Strategy<Value = String> {
+        prop_oneof![
+            Just("{\"prompt\": \"1+1=\", \"answer\": \"#### 2\"}".to_string()),
+            Just("{\"prompt\": 3, \"answer\": 4}".to_string()),
+            Just("{\"prompt\": \"q\"}".to_string()),
+            Just("\u{feff}".to_string()),
+            Just("\n".to_string()),
+            Just("\r\n".to_string()),
+            Just("####".to_string()),
+            Just("{".to_string()),
+            "[ -~]{0,12}",
+            any::<String>(),
+        ]
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(512))]
+
+        /// Any text as a dataset: examples or an error naming the file, never a panic;
+        /// every example has a final answer that its solution gives.
+        #[test]
+        fn any_dataset_text_reads_or_is_an_error_naming_the_file(
+            parts in prop::collection::vec(piece(), 0..12),
+            case in any::<u32>(),
+        ) {
+            let dir = std::env::temp_dir()
+                .join(format!("hilore-jsonl-fuzz-{}-{case}", std::process::id()));
+            std::fs::create_dir_all(&dir).unwrap();
+            let path = dir.join("d.jsonl");
+            std::fs::write(&path, parts.concat()).unwrap();
+            match read_examples(&path) {
+                Ok(ex) => {
+                    for e in ex {
+                        prop_assert_eq!(final_answer(&e.solution), Some(e.answer));
+                    }
+                }
+                Err(e) => {
+                    let msg = format!("{e:#}");
+                    prop_assert!(msg.contains("d.jsonl"), "no path named: {}", msg);
+                }
+            }
+            std::fs::remove_dir_all(&dir).unwrap();
+        }
+    }
 }

@@ -401,4 +401,53 @@ mod tests {
         assert!(e.contains("tensor w") && e.contains("index 1"), "{e}");
         std::fs::remove_dir_all(&dir).unwrap();
     }
+
+    use proptest::prelude::*;
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(512))]
+
+        /// A checkpoint damaged anywhere (a byte flipped, cut short, bytes inserted) or
+        /// replaced by random bytes is an error naming the file, or (for damage that
+        /// changes nothing it reads) the same checkpoint: never a panic or an allocation
+        /// the file cannot back.
+        #[test]
+        fn damaged_checkpoints_are_errors_or_identical(
+            kind in 0u8..4,
+            at in any::<usize>(),
+            x in 1u8..=255,
+            junk in prop::collection::vec(any::<u8>(), 0..200),
+            case in any::<u32>(),
+        ) {
+            let dir = std::env::temp_dir()
+                .join(format!("hilore-ckpt-fuzz-{}-{case}", std::process::id()));
+            let path = dir.join("f.ckpt");
+            let ck = Checkpoint {
+                run: serde_json::json!({"seed": 3, "lr": 0.5}),
+                state: serde_json::json!({"step": 7, "name": "x"}),
+                tensors: vec![
+                    NamedTensor { name: "w".into(), shape: vec![2, 3], data: vec![1.0, -2.0, 0.5, 3.0, 0.0, 7.0] },
+                    NamedTensor { name: "b".into(), shape: vec![2], data: vec![0.1, 0.2] },
+                ],
+            };
+            ck.save_atomic(&path).unwrap();
+            let mut b = std::fs::read(&path).unwrap();
+            let i = at % b.len();
+            match kind {
+                0 => b[i] ^= x,
+                1 => b.truncate(i),
+                2 => { b.splice(i..i, junk.iter().copied()); }
+                _ => b = junk.clone(),
+            }
+            std::fs::write(&path, &b).unwrap();
+            match Checkpoint::load(&path) {
+                Ok(back) => prop_assert_eq!(back, ck),
+                Err(e) => {
+                    let msg = format!("{e:#}");
+                    prop_assert!(msg.contains("f.ckpt"), "no path named: {}", msg);
+                }
+            }
+            std::fs::remove_dir_all(&dir).unwrap();
+        }
+    }
 }
