@@ -307,6 +307,26 @@ struct TrainState {
     /// and of versions before it was stored.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     allocator: Option<serde_json::Value>,
+    /// Totals over the GRPO steps taken so far by every process of the run, so that a
+    /// resumed run's summary is an uninterrupted one's (zero in checkpoints written
+    /// before they were stored).
+    #[serde(default)]
+    totals: RunTotals,
+}
+
+/// Per-run totals of the GRPO steps (see [`TrainState::totals`]); the last step's reward
+/// and accuracy as `f64` bits, so they survive the JSON text exactly.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+struct RunTotals {
+    steps: usize,
+    rollout_tokens_per_s_sum: f64,
+    update_tokens_per_s_sum: f64,
+    peak_activation_bytes: usize,
+    instances_store: usize,
+    instances_compress: usize,
+    instances_recompute: usize,
+    final_reward_mean_bits: Option<u64>,
+    final_accuracy_bits: Option<u64>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -403,8 +423,8 @@ struct Summary {
     update_tokens_per_s: f64,
     peak_activation_bytes: usize,
     optimizer_state_bytes: usize,
-    /// Unit instances per GRPO step (this process's steps, mean) that were stored,
-    /// compressed and recomputed.
+    /// Unit instances per GRPO step (mean over the run's steps, every process's) that
+    /// were stored, compressed and recomputed.
     instances_per_step: InstanceMeans,
 }
 
@@ -1192,6 +1212,7 @@ pub fn run(args: TrainArgs) -> anyhow::Result<ExitCode> {
                 before,
                 seconds_total: 0.0,
                 allocator: None,
+                totals: RunTotals::default(),
             },
             settings: settings.clone(),
             model,
@@ -1237,9 +1258,6 @@ pub fn run(args: TrainArgs) -> anyhow::Result<ExitCode> {
     let total_steps = args.steps;
     let pb = bar(total_steps, progress, "grpo");
     pb.set_position(run.state.step.min(total_steps) as u64);
-    let (mut rollout_tps, mut update_tps, mut peak) = (Vec::new(), Vec::new(), 0usize);
-    let mut instances = InstanceMeans::default();
-    let mut last: Option<StepMetrics> = None;
     while run.state.step < total_steps {
         let step = run.state.step;
         let calibrated_before = run
@@ -1313,12 +1331,18 @@ pub fn run(args: TrainArgs) -> anyhow::Result<ExitCode> {
             instances_compress: rep.fidelities.compress,
             instances_recompute: rep.fidelities.recompute,
         };
-        instances.store += m.instances_store as f64;
-        instances.compress += m.instances_compress as f64;
-        instances.recompute += m.instances_recompute as f64;
-        rollout_tps.push(m.rollout_tokens_per_s);
-        update_tps.push(m.update_tokens_per_s);
-        peak = peak.max(m.peak_activation_bytes);
+        {
+            let t = &mut run.state.totals;
+            t.steps += 1;
+            t.instances_store += m.instances_store;
+            t.instances_compress += m.instances_compress;
+            t.instances_recompute += m.instances_recompute;
+            t.rollout_tokens_per_s_sum += m.rollout_tokens_per_s;
+            t.update_tokens_per_s_sum += m.update_tokens_per_s;
+            t.peak_activation_bytes = t.peak_activation_bytes.max(m.peak_activation_bytes);
+            t.final_reward_mean_bits = Some(m.reward_mean.to_bits());
+            t.final_accuracy_bits = Some(m.accuracy.to_bits());
+        }
         let line = format!(
             "step {:>4}/{total_steps}  reward {:.3}  acc {:.3}  len {:.2}  kl {:.4}  clip {:.3}  |g| {:.3}  rollout {:>6.0} tok/s  update {:>6.0} tok/s  peak act {}  units s/c/r {}/{}/{}{}",
             m.step,
@@ -1347,7 +1371,6 @@ pub fn run(args: TrainArgs) -> anyhow::Result<ExitCode> {
             writeln!(f, "{}", serde_json::to_string(&m)?)?;
             f.flush()?;
         }
-        last = Some(m);
         let stop = args.stop_after == Some(run.state.step);
         // The step that calibrated the allocator is always checkpointed: a run resumed
         // from an earlier checkpoint would measure again (other times, other plans).
@@ -1394,13 +1417,8 @@ pub fn run(args: TrainArgs) -> anyhow::Result<ExitCode> {
         before.reward_mean,
         after.reward_mean
     );
-    let mean = |v: &[f64]| {
-        if v.is_empty() {
-            0.0
-        } else {
-            v.iter().sum::<f64>() / v.len() as f64
-        }
-    };
+    let totals = run.state.totals.clone();
+    let per_step = |sum: f64| sum / totals.steps.max(1) as f64;
     let exported_to = match &args.out {
         Some(out) => {
             let zoo_tok = match &tokenizer {
@@ -1445,19 +1463,16 @@ pub fn run(args: TrainArgs) -> anyhow::Result<ExitCode> {
         heldout_greedy_accuracy_after: after.greedy_accuracy,
         heldout_reward_mean_before: before.reward_mean,
         heldout_reward_mean_after: after.reward_mean,
-        final_reward_mean: last.as_ref().map(|m| m.reward_mean),
-        final_accuracy: last.as_ref().map(|m| m.accuracy),
-        rollout_tokens_per_s: mean(&rollout_tps),
-        update_tokens_per_s: mean(&update_tps),
-        peak_activation_bytes: peak,
+        final_reward_mean: totals.final_reward_mean_bits.map(f64::from_bits),
+        final_accuracy: totals.final_accuracy_bits.map(f64::from_bits),
+        rollout_tokens_per_s: per_step(totals.rollout_tokens_per_s_sum),
+        update_tokens_per_s: per_step(totals.update_tokens_per_s_sum),
+        peak_activation_bytes: totals.peak_activation_bytes,
         optimizer_state_bytes: run.opt.optimizer_state_bytes(),
-        instances_per_step: {
-            let n = update_tps.len().max(1) as f64;
-            InstanceMeans {
-                store: instances.store / n,
-                compress: instances.compress / n,
-                recompute: instances.recompute / n,
-            }
+        instances_per_step: InstanceMeans {
+            store: per_step(totals.instances_store as f64),
+            compress: per_step(totals.instances_compress as f64),
+            recompute: per_step(totals.instances_recompute as f64),
         },
     };
     println!(
