@@ -282,3 +282,11 @@ fn param_count_is_the_decoders() {
         assert_eq!(cfg.param_count(), model.num_params() as u128, "{cfg:?}");
     }
 }
+
+#[test]
+fn a_byte_order_mark_is_accepted() {
+    let json = r#"{"vocab_size": 10, "hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2}"#;
+    let plain = DecoderConfig::from_json_file(write("plain.json", json)).unwrap();
+    let bom = DecoderConfig::from_json_file(write("bom.json", &format!("\u{feff}{json}"))).unwrap();
+    assert_eq!(plain, bom);
+}

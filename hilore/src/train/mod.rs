@@ -860,8 +860,10 @@ impl Run {
         }
         let state: TrainState = serde_json::from_value(ck.state.clone())
             .with_context(|| format!("checkpoint {} has a corrupt state", path.display()))?;
-        let model = model_from_checkpoint(&ck, "model", &settings.model, device)?;
-        let reference = model_from_checkpoint(&ck, "reference", &settings.model, device)?;
+        let model = model_from_checkpoint(&ck, "model", &settings.model, device)
+            .with_context(|| format!("checkpoint {}: the policy", path.display()))?;
+        let reference = model_from_checkpoint(&ck, "reference", &settings.model, device)
+            .with_context(|| format!("checkpoint {}: the reference policy", path.display()))?;
         let mut opt = AdamW::new(settings.adamw, &model);
         opt.t = state.adam_t;
         for (name, m, v) in &mut opt.state {
@@ -1290,7 +1292,8 @@ pub fn run(args: TrainArgs) -> anyhow::Result<ExitCode> {
             settings.group_size,
             settings.grpo.advantage_norm,
             settings.grpo.std_eps,
-        )?;
+        )
+        .with_context(|| format!("GRPO step {}", step + 1))?;
         let rep = actor_update(
             &mut run.model,
             Some(&run.reference),
@@ -1298,7 +1301,8 @@ pub fn run(args: TrainArgs) -> anyhow::Result<ExitCode> {
             &ro,
             &adv,
             &upd,
-        )?;
+        )
+        .with_context(|| format!("GRPO step {}", step + 1))?;
         run.state.step += 1;
         let m = StepMetrics {
             step: run.state.step,

@@ -361,6 +361,20 @@ fn epoch_grads(
         let logp = m.token_logprobs(&mut cx, &micro.batch)?;
         rep.fidelities.add(FidelityCounts::of(&cx.unit_instances()));
         let cur = micro.gather(&logp.tensor().to_vec1::<f32>()?);
+        let mut at = 0;
+        for &i in pack {
+            let l = r.response_lens[i];
+            if let Some(t) = cur[at..at + l].iter().position(|x| !x.is_finite()) {
+                let group = r.seqs.len() / r.examples.len().max(1);
+                anyhow::bail!(
+                    "response {i} (prompt {}, sample {}): the policy's log-prob of its token {t} is {}; the policy has diverged (lower --lr) or its weights are damaged",
+                    i / group.max(1),
+                    i % group.max(1),
+                    cur[at + t]
+                );
+            }
+            at += l;
+        }
         if epoch == 0 {
             let mut k = 0;
             for &i in pack {
