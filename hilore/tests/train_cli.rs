@@ -686,3 +686,45 @@ fn a_new_run_never_replaces_an_earlier_runs_files_unless_forced() {
     assert_eq!(code, 2);
     assert!(err.contains("--force") && err.contains("--resume"), "{err}");
 }
+
+#[test]
+fn a_failed_export_of_the_trained_policy_keeps_the_old_model_in_out() {
+    let dir = tmp("out-full");
+    let out = dir.join("policy");
+    let out_s = out.display().to_string();
+    let args = tiny(
+        &dir,
+        &["--steps", "1", "--policy", "recompute", "--out", &out_s],
+    );
+    run_ok(&args);
+    let before = files_of(&out);
+    let weights = before
+        .iter()
+        .find(|(n, _)| n == "model.safetensors")
+        .map(|(_, b)| b.len())
+        .unwrap();
+    // Resumed at its last step the run trains nothing and writes no checkpoint, only the
+    // export, here under a file-size limit of half the weights (SIGXFSZ ignored, so the
+    // write fails with EFBIG as on a full disk).
+    let script = format!(
+        "trap '' XFSZ; ulimit -f {}; exec \"$0\" \"$@\" --resume",
+        weights / 512 / 2
+    );
+    let o = Command::new("sh")
+        .args(["-c", &script, env!("CARGO_BIN_EXE_hilore")])
+        .args(&args)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("model.safetensors"),
+        "the file is named: {err}"
+    );
+    assert_eq!(files_of(&out), before, "a failed export changed --out");
+    // Without the limit the same resume exports again: the same weights.
+    let mut again = args.clone();
+    again.push("--resume".into());
+    run_ok(&again);
+    assert_eq!(files_of(&out), before);
+}
