@@ -417,6 +417,13 @@ pub fn run(args: BenchTapeArgs) -> anyhow::Result<ExitCode> {
                 .0
         }
     };
+    for spec in &specs {
+        common::check_activation_size(
+            &cfg,
+            spec.lengths.iter().sum(),
+            &format!("--lengths case `{}`", spec.label),
+        )?;
+    }
     let mut cases = Vec::with_capacity(specs.len());
     for (i, spec) in specs.into_iter().enumerate() {
         let seed = args.seed.wrapping_add(1 + 2 * i as u64);

@@ -70,6 +70,7 @@ struct CheckReport {
 pub fn run(args: CheckArgs) -> anyhow::Result<ExitCode> {
     let device = common::device();
     let cfg = common::load_config(args.config.as_deref())?;
+    common::check_activation_size(&cfg, args.lengths.0.iter().sum(), "--lengths")?;
     let model = Decoder::random(&cfg, args.seed, &device).context("building the model")?;
     let batch = TokenBatch::random(&args.lengths.0, &cfg, args.seed.wrapping_add(1), &device)?;
     let coeffs = common::coefficients(batch.num_tokens(), args.seed.wrapping_add(2), &device)?;

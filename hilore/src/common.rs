@@ -465,3 +465,28 @@ pub fn check_count(flag: &str, v: usize, min: usize, why: &str) -> anyhow::Resul
     }
     anyhow::bail!("{flag} is {v}; it must be at least {min} ({why})")
 }
+
+/// Checks that a forward + backward of `tokens` rows on `cfg` can fit this machine's
+/// memory before anything is allocated: under store-all every layer keeps about
+/// `8 * hidden + 3 * intermediate` values a row (norm outputs, q/k/v, attention output,
+/// residuals, gate/up/SwiGLU), and the head a logits chunk; a lower bound, in f32.
+pub fn check_activation_size(cfg: &DecoderConfig, tokens: usize, flag: &str) -> anyhow::Result<()> {
+    let Some(mem) = hilore_models::machine_memory_bytes() else {
+        return Ok(());
+    };
+    let per_row = (cfg.num_hidden_layers as u128)
+        .saturating_mul(8 * cfg.hidden_size as u128 + 3 * cfg.intermediate_size as u128)
+        .saturating_mul(4);
+    let need = per_row.saturating_mul(tokens as u128);
+    if need > mem as u128 {
+        anyhow::bail!(
+            "{flag}: {tokens} rows need at least {:.1} GiB of activations on this model ({} layers, hidden {}, MLP {}), more than this machine's {:.1} GiB; use fewer or shorter sequences",
+            need as f64 / (1u64 << 30) as f64,
+            cfg.num_hidden_layers,
+            cfg.hidden_size,
+            cfg.intermediate_size,
+            mem as f64 / (1u64 << 30) as f64
+        );
+    }
+    Ok(())
+}

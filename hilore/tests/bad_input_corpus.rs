@@ -227,6 +227,20 @@ fn every_bad_input_is_a_clear_error_that_changes_nothing() {
     let trunc_model = copy_model(&model, &w, "trunc-model");
     let st = std::fs::read(trunc_model.join("model.safetensors")).unwrap();
     std::fs::write(trunc_model.join("model.safetensors"), &st[..st.len() / 2]).unwrap();
+    let dup_model = copy_model(&model, &w, "dup-model");
+    {
+        let st = std::fs::read(dup_model.join("model.safetensors")).unwrap();
+        let n = u64::from_le_bytes(st[..8].try_into().unwrap()) as usize;
+        let header = std::str::from_utf8(&st[8..8 + n]).unwrap();
+        let dup = format!(
+            "{{\"model.norm.weight\":{{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0,4]}},{}",
+            &header[1..]
+        );
+        let mut b = (dup.len() as u64).to_le_bytes().to_vec();
+        b.extend_from_slice(dup.as_bytes());
+        b.extend_from_slice(&st[8 + n..]);
+        std::fs::write(dup_model.join("model.safetensors"), b).unwrap();
+    }
     let notok_model = copy_model(&model, &w, "notok-model");
     std::fs::remove_file(notok_model.join("tokenizer.json")).unwrap();
     let badtok_model = copy_model(&model, &w, "badtok-model");
@@ -427,6 +441,18 @@ fn every_bad_input_is_a_clear_error_that_changes_nothing() {
             vec!["--risk-targets", "> 0"],
         ),
         (vec!["bench", "--codecs", "fp3"], vec!["fp3"]),
+        (
+            vec!["bench", "--rows", "1000000000"],
+            vec!["--rows", "GiB", "fewer or shorter"],
+        ),
+        (
+            vec!["bench-tape", "--lengths", "100000000x100"],
+            vec!["--lengths", "GiB", "fewer or shorter"],
+        ),
+        (
+            vec!["check", "--lengths", "1000000000"],
+            vec!["--lengths", "GiB"],
+        ),
         (vec!["codecs", "--n", "0"], vec!["--n"]),
         (
             vec!["codecs", "--n", "1000000000000"],
@@ -534,6 +560,11 @@ fn every_bad_input_is_a_clear_error_that_changes_nothing() {
         &["config.json", "`architectures`", "qwen3"],
     ));
     cases.push(sc(&trunc_model, &inp, &["model.safetensors", "truncated"]));
+    cases.push(sc(
+        &dup_model,
+        &inp,
+        &["model.safetensors", "`model.norm.weight` appears twice"],
+    ));
     cases.push(sc(&notok_model, &inp, &["tokenizer.json"]));
     cases.push(sc(&badtok_model, &inp, &["tokenizer.json"]));
     cases.push(sc(

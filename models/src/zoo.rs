@@ -236,6 +236,44 @@ fn describe_safetensors_error(bytes: &[u8], e: &SafeTensorError) -> String {
     format!("is not a valid safetensors file ({e})")
 }
 
+/// The JSON header of a safetensors file's bytes, when its length field fits the file.
+fn header_text(bytes: &[u8]) -> Option<&str> {
+    let n = u64::from_le_bytes(bytes.get(..8)?.try_into().ok()?);
+    let end = 8usize.checked_add(usize::try_from(n).ok()?)?;
+    std::str::from_utf8(bytes.get(8..end)?).ok()
+}
+
+/// The first key that a JSON object's top level names twice (serde_json keeps the last,
+/// so safetensors sees overlapping offsets and says only "invalid offset").
+fn duplicate_key(json: &str) -> Option<String> {
+    struct Keys;
+    impl<'de> serde::de::Visitor<'de> for Keys {
+        type Value = Option<String>;
+        fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+            f.write_str("a JSON object")
+        }
+        fn visit_map<A: serde::de::MapAccess<'de>>(
+            self,
+            mut map: A,
+        ) -> Result<Self::Value, A::Error> {
+            let mut seen = std::collections::HashSet::new();
+            let mut dup = None;
+            while let Some(k) = map.next_key::<String>()? {
+                map.next_value::<serde::de::IgnoredAny>()?;
+                if dup.is_none() && !seen.insert(k.clone()) {
+                    dup = Some(k);
+                }
+            }
+            Ok(dup)
+        }
+    }
+    use serde::Deserializer;
+    serde_json::Deserializer::from_str(json)
+        .deserialize_map(Keys)
+        .ok()
+        .flatten()
+}
+
 fn dtype_name(d: Dtype) -> String {
     format!("{d:?}")
 }
@@ -295,6 +333,14 @@ pub fn load_weights(
                 },
             )
         })?;
+        // A name given twice is ambiguous (the parser keeps one of the two silently).
+        if let Some(name) = header_text(&bytes).and_then(duplicate_key) {
+            return Err(ModelError::Tensor {
+                path: path.clone(),
+                tensor: name,
+                problem: "appears twice in the header; each tensor must appear once (the file was written wrongly or edited)".into(),
+            });
+        }
         let st = SafeTensors::deserialize(&bytes)
             .map_err(|e| file_err(path, describe_safetensors_error(&bytes, &e)))?;
         let names: Vec<String> = if indexed {

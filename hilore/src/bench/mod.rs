@@ -761,6 +761,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
         .map(|c| hilore_kernels::codec_by_name(c).map(|c| c.name()))
         .collect::<Result<_, _>>()?;
     let budget: MemoryBudget = args.budget.parse()?;
+    crate::common::check_activation_size(&cfg, args.rows, "--rows")?;
     let model = Decoder::random(&cfg, args.seed, &device)?;
     let spec = StepSpec {
         prompts: args.prompts,
