@@ -9,13 +9,21 @@
 //!
 //! ## The loss
 //!
-//! - Advantage (per sequence): `A_i = (R_i - mean_g R) / (std_g R + eps)` over the sequence's
-//!   group ([`AdvantageNorm::GroupStd`], GRPO), or `A_i = R_i - mean_g R`
-//!   ([`AdvantageNorm::None`], Dr. GRPO). `std_g` is the population standard deviation
-//!   (divides by `G`), so it is defined for `G = 1` (where every advantage is 0).
+//! - Advantage (per sequence): `A_i = (R_i - mean_g R) / (std R + eps)`, the mean over the
+//!   sequence's group and the standard deviation over the group
+//!   ([`AdvantageNorm::GroupStd`], GRPO; TRL's `scale_rewards="group"`) or over the whole
+//!   batch ([`AdvantageNorm::BatchStd`], `scale_rewards="batch"`), or `A_i = R_i - mean_g R`
+//!   ([`AdvantageNorm::None`], Dr. GRPO, `scale_rewards="none"`). `std` is the sample
+//!   standard deviation (divides by `n - 1`), as TRL's `torch.std`. Kept different from
+//!   TRL on purpose: a group whose rewards are all equal (and so a group of one) gets
+//!   advantage exactly 0, where TRL's float arithmetic leaves a residue (|A| up to 7e-5)
+//!   and `G = 1` gives NaN; exact zeros give those sequences exactly zero exposure.
 //! - Ratio (per token): `rho = exp(logp - logp_old)`.
-//! - Per-token loss: `l = -min(rho * A, clip(rho, 1 - eps_low, 1 + eps_high) * A) + beta * k3`,
-//!   with the k3 estimator of `KL(pi || pi_ref)`: `k3 = exp(ref - logp) - (ref - logp) - 1`.
+//! - Per-token loss: `l = -min(rho * A, clip(rho, 1 - eps_low, 1 + eps_high) * A) + beta * kl`,
+//!   with the k3 estimator of `KL(pi || pi_ref)`, `k3 = exp(ref - logp) - (ref - logp) - 1`,
+//!   importance-weighted by default (`kl = rho * k3`, TRL's `use_bias_correction_kl`: the
+//!   samples come from `pi_old`, so `rho * k3` is the unbiased estimate under `pi`) or as
+//!   is (`kl = k3`, [`GrpoConfig::kl_bias_correction`] off).
 //! - Aggregation: `L = sum_i w_i sum_t l_it`, with the weight `w_i` of every token of
 //!   sequence `i` ([`Aggregation`]): token-mean over the whole optimizer step,
 //!   `w_i = 1 / sum_j |o_j|` (DAPO, TRL's default), or seq-mean-token-mean,
@@ -26,7 +34,11 @@
 //! Differentiating `l` through `logp` (`d rho / d logp = rho`,
 //! `d k3 / d logp = 1 - exp(ref - logp)`):
 //!
-//! `c = w * ( -A * rho * [branch not clipped] + beta * (1 - exp(ref - logp)) )`
+//! `c = w * ( -A * rho * [branch not clipped] + beta * rho * (1 - exp(ref - logp) + k3) )`
+//!
+//! with the bias correction (`rho = 1` in the first epoch, where the KL part is
+//! `beta * (1 - exp(ref - logp) + k3)`), `c = w * ( ... + beta * (1 - exp(ref - logp)) )`
+//! without it.
 //!
 //! where the clipped branch is active (and its gradient zero) exactly when the min picks
 //! the clamped term with `rho` outside the clip range: `A > 0` and `rho > 1 + eps_high`, or
@@ -66,21 +78,26 @@ use std::fmt;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum AdvantageNorm {
-    /// `(R - mean) / (std + eps)`: GRPO.
+    /// `(R - mean) / (std + eps)`, both over the group: GRPO.
     #[default]
     GroupStd,
-    /// `R - mean`: Dr. GRPO (no division by the group's standard deviation).
+    /// `(R - group mean) / (std + eps)`, the standard deviation over the whole batch (TRL's
+    /// `scale_rewards="batch"`).
+    BatchStd,
+    /// `R - mean`: Dr. GRPO (no division by a standard deviation).
     None,
 }
 
 impl AdvantageNorm {
-    /// Parses `group-std` or `none`.
+    /// Parses TRL's `scale_rewards` names, `group`, `batch` or `none` (also `true` and
+    /// `false`, TRL's older spelling of `group` and `none`, and `group-std`).
     pub fn parse(s: &str) -> Result<Self> {
         match s {
-            "group-std" | "std" => Ok(Self::GroupStd),
-            "none" => Ok(Self::None),
+            "group" | "group-std" | "std" | "true" => Ok(Self::GroupStd),
+            "batch" => Ok(Self::BatchStd),
+            "none" | "false" => Ok(Self::None),
             _ => Err(Error::Tape(format!(
-                "unknown advantage normalisation `{s}`; use `group-std` (GRPO) or `none` (Dr. GRPO)"
+                "unknown reward scaling `{s}`; use `group` (GRPO), `batch` (the standard deviation over the batch) or `none` (Dr. GRPO)"
             ))),
         }
     }
@@ -89,7 +106,8 @@ impl AdvantageNorm {
 impl fmt::Display for AdvantageNorm {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(match self {
-            Self::GroupStd => "group-std",
+            Self::GroupStd => "group",
+            Self::BatchStd => "batch",
             Self::None => "none",
         })
     }
@@ -140,24 +158,32 @@ pub struct GrpoConfig {
     pub beta: f32,
     /// Advantage normalisation.
     pub advantage_norm: AdvantageNorm,
-    /// Added to the group's standard deviation before dividing.
+    /// Added to the standard deviation before dividing (TRL's 1e-4).
     pub std_eps: f32,
     /// Token aggregation.
     pub aggregation: Aggregation,
     /// Update epochs per rollout batch (`mu >= 1`).
     pub epochs: usize,
+    /// Importance-weight the KL term by the ratio (`beta * rho * k3`; TRL's
+    /// `use_bias_correction_kl`, on by default there and here). Absent in settings
+    /// written before it existed, where it was off.
+    #[serde(default)]
+    pub kl_bias_correction: bool,
 }
 
 impl Default for GrpoConfig {
+    /// TRL's defaults: `epsilon = epsilon_high = 0.2`, `beta = 0`, `scale_rewards="group"`,
+    /// token-mean aggregation (`loss_type="dapo"`), one iteration, the bias-corrected KL.
     fn default() -> Self {
         GrpoConfig {
             eps_low: 0.2,
-            eps_high: 0.28,
+            eps_high: 0.2,
             beta: 0.0,
             advantage_norm: AdvantageNorm::GroupStd,
             std_eps: 1e-4,
             aggregation: Aggregation::TokenMean,
             epochs: 1,
+            kl_bias_correction: true,
         }
     }
 }
@@ -240,17 +266,23 @@ pub fn advantages(
             rewards[i]
         )));
     }
+    // The sample standard deviation (divides by n - 1, as torch.std; 0 for one value).
+    let sample_std = |xs: &[f32]| -> f64 {
+        let n = xs.len() as f64;
+        if xs.len() < 2 {
+            return 0.0;
+        }
+        let mean = xs.iter().map(|&r| r as f64).sum::<f64>() / n;
+        (xs.iter().map(|&r| (r as f64 - mean).powi(2)).sum::<f64>() / (n - 1.0)).sqrt()
+    };
+    let batch_std = sample_std(rewards);
     let mut out = Vec::with_capacity(rewards.len());
     for group in rewards.chunks(group_size) {
         let n = group.len() as f64;
         let mean = group.iter().map(|&r| r as f64).sum::<f64>() / n;
-        let var = group
-            .iter()
-            .map(|&r| (r as f64 - mean).powi(2))
-            .sum::<f64>()
-            / n;
         let denom = match norm {
-            AdvantageNorm::GroupStd => var.sqrt() + std_eps as f64,
+            AdvantageNorm::GroupStd => sample_std(group) + std_eps as f64,
+            AdvantageNorm::BatchStd => batch_std + std_eps as f64,
             AdvantageNorm::None => 1.0,
         };
         // An all-equal group gives exactly 0 (never a rounding residue), so its sequences
@@ -435,7 +467,8 @@ impl Coefficients {
     }
 
     /// The coefficients after the forward, from the current log-probs (and the old and
-    /// reference ones when given): `c = w (-A rho [not clipped] + beta (1 - exp(ref - logp)))`.
+    /// reference ones when given): `c = w (-A rho [not clipped] + beta rho (1 - exp(ref - logp) + k3))`
+    /// (`beta (1 - exp(ref - logp))` for the KL part without the bias correction).
     pub fn after_forward(
         cfg: &GrpoConfig,
         seqs: Sequences<'_>,
@@ -472,8 +505,14 @@ impl Coefficients {
                     let d = r[t] as f64 - logp;
                     let k3 = d.exp() - d - 1.0;
                     stats.kl_sum += k3;
-                    c += cfg.beta as f64 * (1.0 - d.exp());
-                    l += cfg.beta as f64 * k3;
+                    if cfg.kl_bias_correction {
+                        // d(rho k3)/dlogp = rho k3 + rho (1 - exp(ref - logp)).
+                        c += cfg.beta as f64 * rho * (1.0 - d.exp() + k3);
+                        l += cfg.beta as f64 * rho * k3;
+                    } else {
+                        c += cfg.beta as f64 * (1.0 - d.exp());
+                        l += cfg.beta as f64 * k3;
+                    }
                 } else if let Some(r) = lp.reference {
                     let d = r[t] as f64 - logp;
                     stats.kl_sum += d.exp() - d - 1.0;
@@ -567,7 +606,12 @@ pub fn loss(cfg: &GrpoConfig, seqs: Sequences<'_>, lp: TokenLogprobs<'_>) -> Res
             let kl = match lp.reference {
                 Some(r) => {
                     let log_q_over_p = r[t] as f64 - logp;
-                    log_q_over_p.exp() - log_q_over_p - 1.0
+                    let k3 = log_q_over_p.exp() - log_q_over_p - 1.0;
+                    if cfg.kl_bias_correction {
+                        ratio * k3
+                    } else {
+                        k3
+                    }
                 }
                 None => 0.0,
             };

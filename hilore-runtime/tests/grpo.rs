@@ -137,7 +137,12 @@ fn check_against_fd(cfg: &GrpoConfig, b: &Batch, g: usize, with_old: bool) -> [u
             // h^2 / 6 * (third derivative) ~ 2e-7 * scale, the f32 rounding of c
             // 6e-8 * scale, the f64 loss's rounding over 2h about 1e-13: 1e-5 * scale
             // leaves a 50x margin; a wrong branch or a missing term is O(scale).
-            let scale = w[i] as f64 * (a.abs() * rho + cfg.beta as f64 * (1.0 + e)) + 1e-12;
+            // The KL part is beta * (1 - e) or, bias-corrected, beta * rho * (1 - e + k3):
+            // at most beta * rho * (1 + e + |k3|).
+            let k3 = e - (b.reference[t] as f64 - b.logp[t] as f64) - 1.0;
+            let scale = w[i] as f64
+                * (a.abs() * rho + cfg.beta as f64 * rho * (1.0 + e + k3.abs()))
+                + 1e-12;
             let got = c.per_token[t] as f64;
             assert!(
                 (got - fd).abs() <= 1e-5 * scale,
@@ -166,21 +171,30 @@ fn coefficients_equal_numerical_derivative_of_the_loss_on_every_branch() {
     let mut seen = [0usize; 5];
     let mut cases = 0;
     for aggregation in [Aggregation::TokenMean, Aggregation::SeqMeanTokenMean] {
-        for advantage_norm in [AdvantageNorm::GroupStd, AdvantageNorm::None] {
+        for advantage_norm in [
+            AdvantageNorm::GroupStd,
+            AdvantageNorm::BatchStd,
+            AdvantageNorm::None,
+        ] {
             for beta in [0.0, 0.04, 0.5] {
-                for with_old in [true, false] {
-                    let cfg = GrpoConfig {
-                        beta,
-                        aggregation,
-                        advantage_norm,
-                        ..GrpoConfig::default()
-                    };
-                    let b = batch(11 + cases as u64, 4, 5, &cfg);
-                    let br = check_against_fd(&cfg, &b, 5, with_old);
-                    for k in 0..5 {
-                        seen[k] += br[k];
+                for kl_bias_correction in [true, false] {
+                    for with_old in [true, false] {
+                        let cfg = GrpoConfig {
+                            beta,
+                            aggregation,
+                            advantage_norm,
+                            kl_bias_correction,
+                            // DAPO's clip-higher, so both ranges are exercised.
+                            eps_high: 0.28,
+                            ..GrpoConfig::default()
+                        };
+                        let b = batch(11 + cases as u64, 4, 5, &cfg);
+                        let br = check_against_fd(&cfg, &b, 5, with_old);
+                        for k in 0..5 {
+                            seen[k] += br[k];
+                        }
+                        cases += 1;
                     }
-                    cases += 1;
                 }
             }
         }
@@ -309,23 +323,51 @@ fn before_forward_is_minus_a_w_and_matches_after_forward_in_the_first_epoch() {
 fn advantages_edge_cases() {
     let eps = 1e-4;
     // All-equal groups: exactly 0, for both normalisations.
-    for norm in [AdvantageNorm::GroupStd, AdvantageNorm::None] {
+    for norm in [
+        AdvantageNorm::GroupStd,
+        AdvantageNorm::BatchStd,
+        AdvantageNorm::None,
+    ] {
         let a = advantages(&[0.1, 0.1, 0.1, 1.0, 1.0, 1.0], 3, norm, eps).unwrap();
         assert!(a.iter().all(|&x| x == 0.0), "{a:?}");
     }
     // G = 1: every advantage is 0.
     let a = advantages(&[0.3, 1.0, 0.0], 1, AdvantageNorm::GroupStd, eps).unwrap();
     assert_eq!(a, vec![0.0; 3]);
-    // GroupStd: zero mean, unit population std (up to eps) within each group.
+    // GroupStd: zero mean, unit sample std (divided by G - 1, as TRL's torch.std; up to
+    // eps) within each group.
     let r = [0.0, 1.0, 1.0, 0.1, 0.0, 0.0, 0.0, 1.0];
     let a = advantages(&r, 4, AdvantageNorm::GroupStd, eps).unwrap();
     for g in a.chunks(4) {
         let m: f64 = g.iter().map(|&x| x as f64).sum::<f64>() / 4.0;
-        let v: f64 = g.iter().map(|&x| (x as f64 - m).powi(2)).sum::<f64>() / 4.0;
+        let v: f64 = g.iter().map(|&x| (x as f64 - m).powi(2)).sum::<f64>() / 3.0;
         assert!(m.abs() < 1e-6, "mean {m}");
         // std / (std + eps) with std >= 0.4 here: within 3e-4 of 1.
         assert!((v.sqrt() - 1.0).abs() < 3e-4, "std {}", v.sqrt());
     }
+    // Two responses, rewards 0 and 1: mean 0.5, sample std sqrt(0.5), so
+    // A = +-0.5 / (sqrt(0.5) + 1e-4) = +-0.707007 (TRL's number; the population std 0.5
+    // would give +-0.9998).
+    let a = advantages(&[0.0, 1.0], 2, AdvantageNorm::GroupStd, eps).unwrap();
+    let want = 0.5 / (0.5f64.sqrt() + 1e-4);
+    for (got, sign) in a.iter().zip([-1.0, 1.0]) {
+        // f32 rounding of the result: 6e-8 relative.
+        assert!(
+            (*got as f64 - sign * want).abs() <= 1e-7,
+            "{got} vs {}",
+            sign * want
+        );
+    }
+    // BatchStd: the group's mean, the whole batch's sample std. Rewards (0, 1 | 1, 1):
+    // batch mean 0.75, sample std sqrt(0.75 / 3) = 0.5; the first group's advantages
+    // are -+0.5 / (0.5 + 1e-4), the second group (all equal) exactly 0.
+    let a = advantages(&[0.0, 1.0, 1.0, 1.0], 2, AdvantageNorm::BatchStd, eps).unwrap();
+    let want = 0.5 / (0.5 + 1e-4);
+    assert!(
+        (a[0] as f64 + want).abs() <= 1e-7 && (a[1] as f64 - want).abs() <= 1e-7,
+        "{a:?}"
+    );
+    assert_eq!(&a[2..], &[0.0, 0.0]);
     // Dr. GRPO: R - mean.
     let a = advantages(&[0.0, 1.0], 2, AdvantageNorm::None, eps).unwrap();
     assert_eq!(a, vec![-0.5, 0.5]);

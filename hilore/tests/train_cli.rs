@@ -478,7 +478,7 @@ fn every_task_and_policy_runs() {
             "--steps",
             "2",
             "--skip-zero-exposure",
-            "--adv-norm",
+            "--scale-rewards",
             "none",
             "--group-size",
             "1",
@@ -575,8 +575,9 @@ fn bad_input_is_a_clear_error() {
     );
     let e = err_of(&["--policy", "compress-fp3"]);
     assert!(e.contains("fp3"), "{e}");
+    // The older name is an alias of TRL's.
     let e = err_of(&["--eps-low", "1.5"]);
-    assert!(e.contains("--eps-low") && e.contains("[0, 1)"), "{e}");
+    assert!(e.contains("--epsilon") && e.contains("[0, 1)"), "{e}");
     let e = err_of(&["--aggregation", "sum"]);
     assert!(e.contains("token-mean"), "{e}");
     let e = err_of(&["--digits", "0"]);

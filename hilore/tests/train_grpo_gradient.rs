@@ -174,7 +174,14 @@ fn check(case: &Case, seed: u64) {
     let surrogate = unclipped.minimum(&clipped).unwrap();
     let d = (&ref_t - &lp).unwrap();
     let k3 = ((d.exp().unwrap() - &d).unwrap() - 1.0).unwrap();
-    let per_token = ((k3 * case.cfg.beta as f64).unwrap() - surrogate).unwrap();
+    // TRL's use_bias_correction_kl: the KL estimate importance-weighted by the ratio,
+    // differentiated through it.
+    let kl = if case.cfg.kl_bias_correction {
+        (&rho * &k3).unwrap()
+    } else {
+        k3
+    };
+    let per_token = ((kl * case.cfg.beta as f64).unwrap() - surrogate).unwrap();
     let loss = (per_token * wt)
         .unwrap()
         .mul(&mask)
@@ -224,12 +231,17 @@ fn check(case: &Case, seed: u64) {
 fn tape_gradient_from_coefficients_equals_candle_autograd_of_the_grpo_loss() {
     let mut seed = 100;
     for aggregation in [Aggregation::TokenMean, Aggregation::SeqMeanTokenMean] {
-        for (beta, advantage_norm) in [(0.0, AdvantageNorm::GroupStd), (0.2, AdvantageNorm::None)] {
+        for (beta, advantage_norm, kl_bias_correction) in [
+            (0.0, AdvantageNorm::GroupStd, true),
+            (0.2, AdvantageNorm::None, true),
+            (0.2, AdvantageNorm::BatchStd, false),
+        ] {
             for later_epoch in [false, true] {
                 let cfg = GrpoConfig {
                     beta,
                     aggregation,
                     advantage_norm,
+                    kl_bias_correction,
                     ..GrpoConfig::default()
                 };
                 check(

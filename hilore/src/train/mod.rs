@@ -145,16 +145,35 @@ pub struct TrainArgs {
     /// known before the forward.
     #[arg(long, default_value_t = 1, help_heading = "GRPO")]
     epochs: usize,
-    #[arg(long, default_value_t = 0.2, help_heading = "GRPO")]
-    eps_low: f32,
-    #[arg(long, default_value_t = 0.28, help_heading = "GRPO")]
-    eps_high: f32,
-    /// Weight of the k3 KL to the warm-start policy.
+    /// Lower clip range (TRL's `epsilon`): the ratio is clamped at 1 - epsilon.
+    #[arg(long, alias = "eps-low", default_value_t = 0.2, help_heading = "GRPO")]
+    epsilon: f32,
+    /// Upper clip range (TRL's `epsilon_high`; default: --epsilon, as TRL). 0.28 is
+    /// DAPO's clip-higher.
+    #[arg(
+        long,
+        alias = "eps-high",
+        value_name = "EPSILON_HIGH",
+        help_heading = "GRPO"
+    )]
+    epsilon_high: Option<f32>,
+    /// Weight of the k3 KL to the warm-start policy (TRL's `beta`).
     #[arg(long, default_value_t = 0.0, help_heading = "GRPO")]
     beta: f32,
-    /// `group-std` (GRPO) or `none` (Dr. GRPO).
-    #[arg(long, default_value = "group-std", help_heading = "GRPO")]
-    adv_norm: String,
+    /// Importance-weight the KL term by the ratio, `beta * rho * k3` (TRL's
+    /// `use_bias_correction_kl`); `false` uses `beta * k3`.
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set, value_name = "BOOL", help_heading = "GRPO")]
+    use_bias_correction_kl: bool,
+    /// TRL's `scale_rewards`: `group` (divide by the group's standard deviation: GRPO),
+    /// `batch` (by the batch's) or `none` (Dr. GRPO). Standard deviations are sample ones
+    /// (n - 1), as TRL's.
+    #[arg(
+        long,
+        alias = "adv-norm",
+        default_value = "group",
+        help_heading = "GRPO"
+    )]
+    scale_rewards: String,
     /// `token-mean` or `seq-mean-token-mean`.
     #[arg(long, default_value = "token-mean", help_heading = "GRPO")]
     aggregation: String,
@@ -494,14 +513,14 @@ impl RunSettings {
                 "0 runs every --sft-steps",
             ),
             (
-                "--eps-low",
-                a.eps_low as f64,
+                "--epsilon",
+                a.epsilon as f64,
                 Range::Fraction,
                 "0.2 is usual",
             ),
             (
-                "--eps-high",
-                a.eps_high as f64,
+                "--epsilon-high",
+                a.epsilon_high.unwrap_or(a.epsilon) as f64,
                 Range::NonNegative,
                 "0.2, or 0.28 for DAPO's clip-higher",
             ),
@@ -534,13 +553,14 @@ impl RunSettings {
             check_flag(flag, v, range, hint)?;
         }
         let grpo = GrpoConfig {
-            eps_low: a.eps_low,
-            eps_high: a.eps_high,
+            eps_low: a.epsilon,
+            eps_high: a.epsilon_high.unwrap_or(a.epsilon),
             beta: a.beta,
-            advantage_norm: AdvantageNorm::parse(&a.adv_norm).context("--adv-norm")?,
+            advantage_norm: AdvantageNorm::parse(&a.scale_rewards).context("--scale-rewards")?,
             std_eps: 1e-4,
             aggregation: Aggregation::parse(&a.aggregation).context("--aggregation")?,
             epochs: a.epochs,
+            kl_bias_correction: a.use_bias_correction_kl,
         };
         grpo.validate().context("GRPO settings")?;
         let model = match (&a.config, zoo, tokenizer) {
