@@ -26,8 +26,9 @@
 //!   is (`kl = k3`, [`GrpoConfig::kl_bias_correction`] off).
 //! - Aggregation: `L = sum_i w_i sum_t l_it`, with the weight `w_i` of every token of
 //!   sequence `i` ([`Aggregation`]): token-mean over the whole optimizer step,
-//!   `w_i = 1 / sum_j |o_j|` (DAPO, TRL's default), or seq-mean-token-mean,
-//!   `w_i = 1 / (S * |o_i|)` over the `S` non-empty sequences of the step.
+//!   `w_i = 1 / sum_j |o_j|` (TRL's `dapo`, its default), seq-mean-token-mean,
+//!   `w_i = 1 / (S * |o_i|)` over the `S` sequences of the step, empty ones counted
+//!   (TRL's `grpo`), or a constant, `w = 1 / (S * max_completion_length)` (`dr_grpo`).
 //!
 //! ## The coefficients
 //!
@@ -113,25 +114,39 @@ impl fmt::Display for AdvantageNorm {
     }
 }
 
-/// How per-token losses are summed into the step's loss.
+/// How per-token losses are summed into the step's loss (TRL's `loss_type`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum Aggregation {
-    /// Mean over every response token of the optimizer step: `w = 1 / sum_j |o_j|`.
+    /// Mean over every response token of the optimizer step: `w = 1 / sum_j |o_j|`
+    /// (TRL's `dapo`, its default).
     #[default]
     TokenMean,
-    /// Mean over sequences of each sequence's token mean: `w_i = 1 / (S |o_i|)`.
+    /// Mean over the step's `S` sequences of each sequence's token mean:
+    /// `w_i = 1 / (S |o_i|)` (TRL's `grpo`). `S` counts every sequence, empty ones too, as
+    /// TRL's mean over the batch does.
     SeqMeanTokenMean,
+    /// A constant normaliser: `w = 1 / (S * max_completion_length)` over the step's `S`
+    /// sequences (TRL's `dr_grpo`, Dr. GRPO's unbiased sum).
+    DrGrpo {
+        /// The longest a completion may be (`--max-new-tokens`).
+        max_completion_length: usize,
+    },
 }
 
 impl Aggregation {
-    /// Parses `token-mean` or `seq-mean-token-mean`.
-    pub fn parse(s: &str) -> Result<Self> {
+    /// Parses TRL's loss types `dapo`, `grpo` or `dr_grpo` (also `token-mean`,
+    /// `seq-mean-token-mean`, `dr-grpo`); `dr_grpo` normalises by
+    /// `max_completion_length`.
+    pub fn parse(s: &str, max_completion_length: usize) -> Result<Self> {
         match s {
-            "token-mean" => Ok(Self::TokenMean),
-            "seq-mean-token-mean" => Ok(Self::SeqMeanTokenMean),
+            "dapo" | "token-mean" => Ok(Self::TokenMean),
+            "grpo" | "seq-mean-token-mean" => Ok(Self::SeqMeanTokenMean),
+            "dr_grpo" | "dr-grpo" => Ok(Self::DrGrpo {
+                max_completion_length,
+            }),
             _ => Err(Error::Tape(format!(
-                "unknown aggregation `{s}`; use `token-mean` or `seq-mean-token-mean`"
+                "unknown loss type `{s}`; use `dapo` (token mean over the step), `grpo` (mean of the sequences' token means) or `dr_grpo` (sum over max_completion_length)"
             ))),
         }
     }
@@ -140,8 +155,9 @@ impl Aggregation {
 impl fmt::Display for Aggregation {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(match self {
-            Self::TokenMean => "token-mean",
-            Self::SeqMeanTokenMean => "seq-mean-token-mean",
+            Self::TokenMean => "dapo",
+            Self::SeqMeanTokenMean => "grpo",
+            Self::DrGrpo { .. } => "dr_grpo",
         })
     }
 }
@@ -315,8 +331,17 @@ pub fn aggregation_weights(lengths: &[usize], aggregation: Aggregation) -> Vec<f
                 .map(|&l| if l == 0 { 0.0 } else { w })
                 .collect()
         }
+        Aggregation::DrGrpo {
+            max_completion_length,
+        } => {
+            let d = lengths.len() as f64 * max_completion_length.max(1) as f64;
+            lengths
+                .iter()
+                .map(|&l| if l == 0 { 0.0 } else { (1.0 / d) as f32 })
+                .collect()
+        }
         Aggregation::SeqMeanTokenMean => {
-            let s = lengths.iter().filter(|&&l| l > 0).count();
+            let s = lengths.len();
             lengths
                 .iter()
                 .map(|&l| {

@@ -170,7 +170,13 @@ fn check_against_fd(cfg: &GrpoConfig, b: &Batch, g: usize, with_old: bool) -> [u
 fn coefficients_equal_numerical_derivative_of_the_loss_on_every_branch() {
     let mut seen = [0usize; 5];
     let mut cases = 0;
-    for aggregation in [Aggregation::TokenMean, Aggregation::SeqMeanTokenMean] {
+    for aggregation in [
+        Aggregation::TokenMean,
+        Aggregation::SeqMeanTokenMean,
+        Aggregation::DrGrpo {
+            max_completion_length: 9,
+        },
+    ] {
         for advantage_norm in [
             AdvantageNorm::GroupStd,
             AdvantageNorm::BatchStd,
@@ -394,14 +400,24 @@ fn aggregation_weights_and_empty_or_long_responses() {
         "token-mean weights sum to 1 over tokens"
     );
     assert_eq!(w[0], 0.0);
+    // TRL's `grpo`: the mean over every sequence of the batch, the empty one counted, so
+    // each non-empty sequence weighs 1/4 (not 1/3). f32 rounding of w: 6e-8 relative.
     let w = aggregation_weights(&lengths, Aggregation::SeqMeanTokenMean);
     for (i, &l) in lengths.iter().enumerate().skip(1) {
         assert!(
-            (l as f64 * w[i] as f64 - 1.0 / 3.0).abs() < 1e-7,
-            "each of 3 non-empty sequences weighs 1/3"
+            (l as f64 * w[i] as f64 - 1.0 / 4.0).abs() < 1e-7,
+            "each non-empty sequence of 4 weighs 1/4"
         );
     }
     assert_eq!(w[0], 0.0);
+    // dr_grpo: one constant, 1 / (S * max_completion_length) = 1 / (4 * 64).
+    let w = aggregation_weights(
+        &lengths,
+        Aggregation::DrGrpo {
+            max_completion_length: 64,
+        },
+    );
+    assert_eq!(w, vec![0.0, 1.0 / 256.0, 1.0 / 256.0, 1.0 / 256.0]);
     // No tokens at all: weights 0, no coefficients, zero loss.
     let w = aggregation_weights(&[0, 0], Aggregation::TokenMean);
     assert_eq!(w, vec![0.0, 0.0]);
@@ -591,9 +607,18 @@ fn bad_inputs_are_errors_not_panics() {
     }
     assert!(GrpoConfig::default().validate().is_ok());
     assert!(AdvantageNorm::parse("zscore").is_err());
-    assert!(Aggregation::parse("sum").is_err());
-    assert_eq!(
-        Aggregation::parse("seq-mean-token-mean").unwrap(),
-        Aggregation::SeqMeanTokenMean
-    );
+    assert!(Aggregation::parse("sum", 8).is_err());
+    for (name, want) in [
+        ("seq-mean-token-mean", Aggregation::SeqMeanTokenMean),
+        ("grpo", Aggregation::SeqMeanTokenMean),
+        ("dapo", Aggregation::TokenMean),
+        (
+            "dr_grpo",
+            Aggregation::DrGrpo {
+                max_completion_length: 8,
+            },
+        ),
+    ] {
+        assert_eq!(Aggregation::parse(name, 8).unwrap(), want, "{name}");
+    }
 }

@@ -330,7 +330,10 @@ fn every_bad_input_is_a_clear_error_that_changes_nothing() {
     };
     cases.push(t(&["--task", "sudoku"], &["sudoku", "arithmetic"]));
     cases.push(t(&["--task", "jsonl"], &["--data"]));
-    cases.push(t(&["--aggregation", "sum"], &["token-mean"]));
+    cases.push(t(
+        &["--loss-type", "sum"],
+        &["--loss-type", "dapo", "dr_grpo"],
+    ));
     cases.push(t(&["--policy", "compress-fp3"], &["fp3"]));
     cases.push(t(
         &["--refresh-costs"],

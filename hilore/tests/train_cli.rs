@@ -579,7 +579,7 @@ fn bad_input_is_a_clear_error() {
     let e = err_of(&["--eps-low", "1.5"]);
     assert!(e.contains("--epsilon") && e.contains("[0, 1)"), "{e}");
     let e = err_of(&["--aggregation", "sum"]);
-    assert!(e.contains("token-mean"), "{e}");
+    assert!(e.contains("--loss-type") && e.contains("dapo"), "{e}");
     let e = err_of(&["--digits", "0"]);
     assert!(e.contains("--digits"), "{e}");
     let e = err_of(&["--hidden", "15"]);

@@ -230,7 +230,13 @@ fn check(case: &Case, seed: u64) {
 #[test]
 fn tape_gradient_from_coefficients_equals_candle_autograd_of_the_grpo_loss() {
     let mut seed = 100;
-    for aggregation in [Aggregation::TokenMean, Aggregation::SeqMeanTokenMean] {
+    for aggregation in [
+        Aggregation::TokenMean,
+        Aggregation::SeqMeanTokenMean,
+        Aggregation::DrGrpo {
+            max_completion_length: 9,
+        },
+    ] {
         for (beta, advantage_norm, kl_bias_correction) in [
             (0.0, AdvantageNorm::GroupStd, true),
             (0.2, AdvantageNorm::None, true),

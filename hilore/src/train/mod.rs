@@ -174,9 +174,17 @@ pub struct TrainArgs {
         help_heading = "GRPO"
     )]
     scale_rewards: String,
-    /// `token-mean` or `seq-mean-token-mean`.
-    #[arg(long, default_value = "token-mean", help_heading = "GRPO")]
-    aggregation: String,
+    /// TRL's `loss_type`: `dapo` (token mean over the step), `grpo` (mean of the
+    /// sequences' token means) or `dr_grpo` (sum over sequences x --max-new-tokens).
+    /// `token-mean` and `seq-mean-token-mean` name the first two.
+    #[arg(
+        long,
+        alias = "aggregation",
+        value_name = "LOSS_TYPE",
+        default_value = "dapo",
+        help_heading = "GRPO"
+    )]
+    loss_type: String,
     #[arg(long, default_value_t = 1.0, help_heading = "GRPO")]
     temperature: f64,
     #[arg(long, default_value_t = 1.0, help_heading = "GRPO")]
@@ -558,7 +566,11 @@ impl RunSettings {
             beta: a.beta,
             advantage_norm: AdvantageNorm::parse(&a.scale_rewards).context("--scale-rewards")?,
             std_eps: 1e-4,
-            aggregation: Aggregation::parse(&a.aggregation).context("--aggregation")?,
+            aggregation: Aggregation::parse(
+                &a.loss_type,
+                a.max_new_tokens.unwrap_or(default_max_new_tokens),
+            )
+            .context("--loss-type")?,
             epochs: a.epochs,
             kl_bias_correction: a.use_bias_correction_kl,
         };
