@@ -185,6 +185,11 @@ pub struct GrpoConfig {
     /// written before it existed, where it was off.
     #[serde(default)]
     pub kl_bias_correction: bool,
+    /// Leave responses cut at the length limit (no stop token) out of the loss (TRL's
+    /// `mask_truncated_completions`, off by default there and here); see
+    /// [`aggregation_weights_masked`].
+    #[serde(default)]
+    pub mask_truncated_completions: bool,
 }
 
 impl Default for GrpoConfig {
@@ -200,6 +205,7 @@ impl Default for GrpoConfig {
             aggregation: Aggregation::TokenMean,
             epochs: 1,
             kl_bias_correction: true,
+            mask_truncated_completions: false,
         }
     }
 }
@@ -318,40 +324,41 @@ pub fn advantages(
 /// The aggregation weight `w_i` of every token of each sequence, for the sequences of one
 /// optimizer step with `lengths[i]` response tokens each. Empty sequences get weight 0.
 pub fn aggregation_weights(lengths: &[usize], aggregation: Aggregation) -> Vec<f32> {
+    aggregation_weights_masked(lengths, None, aggregation)
+}
+
+/// [`aggregation_weights`] with the sequences where `masked[i]` is true left out of the
+/// loss (TRL's `mask_truncated_completions`: responses cut at the length limit): their
+/// weight is 0 and their tokens leave `dapo`'s token count, while `grpo`'s mean and
+/// `dr_grpo`'s normaliser still count them, as TRL's per-batch means do.
+pub fn aggregation_weights_masked(
+    lengths: &[usize],
+    masked: Option<&[bool]>,
+    aggregation: Aggregation,
+) -> Vec<f32> {
+    let kept = |i: usize| lengths[i] > 0 && !masked.is_some_and(|m| m[i]);
+    let per_sequence = |w: &dyn Fn(usize) -> f64| -> Vec<f32> {
+        (0..lengths.len())
+            .map(|i| if kept(i) { w(i) as f32 } else { 0.0 })
+            .collect()
+    };
     match aggregation {
         Aggregation::TokenMean => {
-            let total: usize = lengths.iter().sum();
-            let w = if total == 0 {
-                0.0
-            } else {
-                (1.0 / total as f64) as f32
-            };
-            lengths
-                .iter()
-                .map(|&l| if l == 0 { 0.0 } else { w })
-                .collect()
+            let total: usize = (0..lengths.len())
+                .filter(|&i| kept(i))
+                .map(|i| lengths[i])
+                .sum();
+            per_sequence(&|_| 1.0 / total.max(1) as f64)
         }
         Aggregation::DrGrpo {
             max_completion_length,
         } => {
             let d = lengths.len() as f64 * max_completion_length.max(1) as f64;
-            lengths
-                .iter()
-                .map(|&l| if l == 0 { 0.0 } else { (1.0 / d) as f32 })
-                .collect()
+            per_sequence(&|_| 1.0 / d)
         }
         Aggregation::SeqMeanTokenMean => {
-            let s = lengths.len();
-            lengths
-                .iter()
-                .map(|&l| {
-                    if l == 0 {
-                        0.0
-                    } else {
-                        (1.0 / (s as f64 * l as f64)) as f32
-                    }
-                })
-                .collect()
+            let s = lengths.len() as f64;
+            per_sequence(&|i| 1.0 / (s * lengths[i] as f64))
         }
     }
 }

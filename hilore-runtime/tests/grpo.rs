@@ -4,9 +4,9 @@
 //! edge cases of advantages, aggregation, exposure and packing.
 
 use hilore_runtime::grpo::{
-    self, advantages, aggregation_weights, exposure_per_sequence, known_before_forward,
-    microbatch_exposure, pack_by_token_budget, AdvantageNorm, Aggregation, Coefficients,
-    GrpoConfig, Sequences, TokenLogprobs,
+    self, advantages, aggregation_weights, aggregation_weights_masked, exposure_per_sequence,
+    known_before_forward, microbatch_exposure, pack_by_token_budget, AdvantageNorm, Aggregation,
+    Coefficients, GrpoConfig, Sequences, TokenLogprobs,
 };
 
 /// splitmix64, so the tests need no RNG crate and are the same on every machine.
@@ -418,6 +418,29 @@ fn aggregation_weights_and_empty_or_long_responses() {
         },
     );
     assert_eq!(w, vec![0.0, 1.0 / 256.0, 1.0 / 256.0, 1.0 / 256.0]);
+    // mask_truncated_completions: a masked sequence weighs 0 and leaves dapo's token
+    // count (1 / (3 + 64), not 1 / 72), but grpo's mean and dr_grpo's normaliser still
+    // count it (1/4 per kept sequence; 1 / (4 * 64)). Sequence 2 (5 tokens) is masked.
+    let masked = [false, false, true, false];
+    let w = aggregation_weights_masked(&lengths, Some(&masked), Aggregation::TokenMean);
+    assert_eq!(w, vec![0.0, 1.0 / 67.0, 0.0, 1.0 / 67.0]);
+    let w = aggregation_weights_masked(&lengths, Some(&masked), Aggregation::SeqMeanTokenMean);
+    assert_eq!(
+        w,
+        vec![0.0, (1.0 / 12.0f64) as f32, 0.0, (1.0 / 256.0f64) as f32]
+    );
+    let dr = Aggregation::DrGrpo {
+        max_completion_length: 64,
+    };
+    let w = aggregation_weights_masked(&lengths, Some(&masked), dr);
+    assert_eq!(w, vec![0.0, 1.0 / 256.0, 0.0, 1.0 / 256.0]);
+    // Nothing masked: the plain weights.
+    for agg in [Aggregation::TokenMean, Aggregation::SeqMeanTokenMean, dr] {
+        assert_eq!(
+            aggregation_weights_masked(&lengths, Some(&[false; 4]), agg),
+            aggregation_weights(&lengths, agg)
+        );
+    }
     // No tokens at all: weights 0, no coefficients, zero loss.
     let w = aggregation_weights(&[0, 0], Aggregation::TokenMean);
     assert_eq!(w, vec![0.0, 0.0]);

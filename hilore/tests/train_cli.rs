@@ -492,6 +492,9 @@ fn every_task_and_policy_runs() {
             "0.7",
             "--top-p",
             "0.9",
+            "--mask-truncated-completions",
+            "--loss-type",
+            "dr_grpo",
         ],
     ] {
         // One directory for every run: each replaces the one before.

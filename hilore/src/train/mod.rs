@@ -174,6 +174,10 @@ pub struct TrainArgs {
         help_heading = "GRPO"
     )]
     scale_rewards: String,
+    /// Leave responses cut at --max-new-tokens (no end token) out of the loss (TRL's
+    /// `mask_truncated_completions`); `grpo`'s mean over sequences still counts them.
+    #[arg(long, help_heading = "GRPO")]
+    mask_truncated_completions: bool,
     /// TRL's `loss_type`: `dapo` (token mean over the step), `grpo` (mean of the
     /// sequences' token means) or `dr_grpo` (sum over sequences x --max-new-tokens).
     /// `token-mean` and `seq-mean-token-mean` name the first two.
@@ -573,6 +577,7 @@ impl RunSettings {
             .context("--loss-type")?,
             epochs: a.epochs,
             kl_bias_correction: a.use_bias_correction_kl,
+            mask_truncated_completions: a.mask_truncated_completions,
         };
         grpo.validate().context("GRPO settings")?;
         let model = match (&a.config, zoo, tokenizer) {

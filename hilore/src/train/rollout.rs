@@ -2,7 +2,7 @@
 
 use crate::tasks::{Example, Task};
 use crate::tokenizer::TrainTokenizer;
-use hilore_models::generate::{generate, SamplingConfig};
+use hilore_models::generate::{generate, Finish, SamplingConfig};
 use hilore_models::Decoder;
 use std::time::Instant;
 
@@ -23,6 +23,8 @@ pub struct Rollout {
     /// Decoded responses.
     pub texts: Vec<String>,
     pub rewards: Vec<f32>,
+    /// Whether each response was cut at `max_new_tokens` (no stop token sampled).
+    pub truncated: Vec<bool>,
     pub correct: Vec<bool>,
     pub seconds: f64,
 }
@@ -92,6 +94,7 @@ pub fn rollout(
         sampled_logp: Vec::with_capacity(n),
         texts: Vec::with_capacity(n),
         rewards: Vec::with_capacity(n),
+        truncated: Vec::with_capacity(n),
         correct: Vec::with_capacity(n),
         seconds: 0.0,
         examples: Vec::new(),
@@ -108,6 +111,7 @@ pub fn rollout(
         r.sampled_logp.push(g.logprobs);
         r.texts.push(text);
         r.rewards.push(reward.value);
+        r.truncated.push(g.finish == Finish::Length);
         r.correct.push(reward.correct);
     }
     r.examples = examples;

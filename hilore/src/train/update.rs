@@ -10,7 +10,7 @@ use hilore_runtime::allocator::{
     MicrobatchInput, MicrobatchShape, OnlineAllocator, PassResult, Workload,
 };
 use hilore_runtime::grpo::{
-    aggregation_weights, known_before_forward, pack_by_token_budget, CoefficientStats,
+    aggregation_weights_masked, known_before_forward, pack_by_token_budget, CoefficientStats,
     Coefficients, GrpoConfig, Sequences, TokenLogprobs,
 };
 use hilore_runtime::{Cx, Grads, Plan};
@@ -461,7 +461,13 @@ pub fn actor_update(
     s: &UpdateSettings,
 ) -> anyhow::Result<UpdateReport> {
     let n = r.seqs.len();
-    let weights = aggregation_weights(&r.response_lens, s.grpo.aggregation);
+    let weights = aggregation_weights_masked(
+        &r.response_lens,
+        s.grpo
+            .mask_truncated_completions
+            .then_some(r.truncated.as_slice()),
+        s.grpo.aggregation,
+    );
     let mut rep = UpdateReport::default();
     let packs = select_and_pack(r, advantages, s, &mut rep)?;
     rep.microbatches = packs.len();
@@ -531,12 +537,13 @@ mod tests {
             seqs,
             prompt_lens,
             response_lens: response_lens.clone(),
+            truncated: vec![false; 6],
             rewards: rewards.clone(),
             seconds: 0.0,
         };
         let adv = group_advantages(&rewards, 3, Default::default(), 1e-4).unwrap();
         assert_eq!(&adv[..3], &[0.0; 3]);
-        let weights = aggregation_weights(&response_lens, Default::default());
+        let weights = hilore_runtime::grpo::aggregation_weights(&response_lens, Default::default());
         let settings = |skip: bool| UpdateSettings {
             grpo: GrpoConfig::default(),
             token_budget: 64,
