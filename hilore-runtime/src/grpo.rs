@@ -43,7 +43,9 @@
 //!
 //! where the clipped branch is active (and its gradient zero) exactly when the min picks
 //! the clamped term with `rho` outside the clip range: `A > 0` and `rho > 1 + eps_high`, or
-//! `A < 0` and `rho < 1 - eps_low`. At a tie the unclipped branch is taken.
+//! `A < 0` and `rho < 1 - eps_low`. At a tie the unclipped branch is taken. With two-sided
+//! clipping (TRL's `delta > 1 + eps_high`) the unclipped term is `min(rho, delta) * A`, so
+//! `A < 0` and `rho > delta` has zero gradient too.
 //!
 //! **Known before the forward**: with one update epoch per rollout (`mu = 1`: the policy
 //! has not moved since the rollout, so `logp_old = logp` and `rho = 1` exactly, the way
@@ -51,6 +53,8 @@
 //! the rewards and the response lengths alone, known before the actor update's forward
 //! ([`Coefficients::before_forward`], [`known_before_forward`]). This is what lets an
 //! allocator plan a microbatch's fidelities from its exposure before running it.
+//!
+//! Two-sided clipping (`delta`) does not change this: in the first epoch `rho = 1 < delta`.
 //!
 //! **Known only after the forward** (but before backward, with no extra backward pass):
 //! with `beta > 0` (the KL term needs the current `logp`), or in epochs after the first
@@ -190,6 +194,11 @@ pub struct GrpoConfig {
     /// [`aggregation_weights_masked`].
     #[serde(default)]
     pub mask_truncated_completions: bool,
+    /// Two-sided clipping (TRL's `delta`, INTELLECT-2): the unclipped term's ratio is
+    /// capped at `delta`, so a token with `A < 0` and `rho > delta` gets no gradient.
+    /// `None` (the default) disables it; it should exceed `1 + eps_high`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub delta: Option<f32>,
 }
 
 impl Default for GrpoConfig {
@@ -206,6 +215,7 @@ impl Default for GrpoConfig {
             epochs: 1,
             kl_bias_correction: true,
             mask_truncated_completions: false,
+            delta: None,
         }
     }
 }
@@ -251,6 +261,17 @@ impl GrpoConfig {
                 "0".into(),
                 "it must be at least 1 (update epochs per rollout batch)",
             );
+        }
+        if let Some(d) = self.delta {
+            // Above the clip range, the capped term is the min exactly where A < 0 and
+            // rho > delta; at or below it the two clips would interleave.
+            if !(d.is_finite() && d > 1.0 + self.eps_high) {
+                return bad(
+                    "delta",
+                    d.to_string(),
+                    "it must be a number above 1 + eps_high (TRL suggests 1 + 2 eps_high or more)",
+                );
+            }
         }
         Ok(())
     }
@@ -524,15 +545,19 @@ impl Coefficients {
                 };
                 let clipped_high = a > 0.0 && rho > 1.0 + cfg.eps_high as f64;
                 let clipped_low = a < 0.0 && rho < 1.0 - cfg.eps_low as f64;
-                stats.clipped_high += clipped_high as usize;
+                // Two-sided clipping: with A < 0 and rho above delta the capped term
+                // delta * A is the min (delta > 1 + eps_high), a constant.
+                let capped = cfg.delta.is_some_and(|d| a < 0.0 && rho > d as f64);
+                stats.clipped_high += (clipped_high || capped) as usize;
                 stats.clipped_low += clipped_low as usize;
-                let mut c = if clipped_high || clipped_low {
+                let mut c = if clipped_high || clipped_low || capped {
                     0.0
                 } else {
                     -a * rho
                 };
                 let clipped_rho = rho.clamp(1.0 - cfg.eps_low as f64, 1.0 + cfg.eps_high as f64);
-                let mut l = -(rho * a).min(clipped_rho * a);
+                let rho1 = cfg.delta.map_or(rho, |d| rho.min(d as f64));
+                let mut l = -(rho1 * a).min(clipped_rho * a);
                 if let (true, Some(r)) = (cfg.beta > 0.0, lp.reference) {
                     let d = r[t] as f64 - logp;
                     let k3 = d.exp() - d - 1.0;
@@ -634,7 +659,8 @@ pub fn loss(cfg: &GrpoConfig, seqs: Sequences<'_>, lp: TokenLogprobs<'_>) -> Res
         for _ in 0..seqs.lengths[i] {
             let logp = lp.logp[t] as f64;
             let ratio = lp.old.map_or(1.0, |o| (logp - o[t] as f64).exp());
-            let surrogate = f64::min(ratio * a, ratio.max(lo).min(hi) * a);
+            let capped = cfg.delta.map_or(ratio, |d| ratio.min(d as f64));
+            let surrogate = f64::min(capped * a, ratio.max(lo).min(hi) * a);
             let kl = match lp.reference {
                 Some(r) => {
                     let log_q_over_p = r[t] as f64 - logp;

@@ -60,7 +60,11 @@ fn batch(seed: u64, groups: usize, g: usize, cfg: &GrpoConfig) -> Batch {
         // difference never straddles a kink.
         let rho = loop {
             let rho = r.range(0.5, 1.6);
-            if (rho - lo).abs() > 20.0 * H * rho && (rho - hi).abs() > 20.0 * H * rho {
+            let delta = cfg.delta.map_or(f64::INFINITY, |d| d as f64);
+            if (rho - lo).abs() > 20.0 * H * rho
+                && (rho - hi).abs() > 20.0 * H * rho
+                && (rho - delta).abs() > 20.0 * H * rho
+            {
                 break rho;
             }
         };
@@ -150,7 +154,9 @@ fn check_against_fd(cfg: &GrpoConfig, b: &Batch, g: usize, with_old: bool) -> [u
             );
             let k = if a == 0.0 {
                 4
-            } else if a > 0.0 && rho > hi {
+            } else if (a > 0.0 && rho > hi)
+                || (a < 0.0 && cfg.delta.is_some_and(|d| rho > d as f64))
+            {
                 2
             } else if a < 0.0 && rho < lo {
                 3
@@ -183,13 +189,15 @@ fn coefficients_equal_numerical_derivative_of_the_loss_on_every_branch() {
             AdvantageNorm::None,
         ] {
             for beta in [0.0, 0.04, 0.5] {
-                for kl_bias_correction in [true, false] {
+                for (kl_bias_correction, delta) in [(true, None), (false, None), (true, Some(1.4))]
+                {
                     for with_old in [true, false] {
                         let cfg = GrpoConfig {
                             beta,
                             aggregation,
                             advantage_norm,
                             kl_bias_correction,
+                            delta,
                             // DAPO's clip-higher, so both ranges are exercised.
                             eps_high: 0.28,
                             ..GrpoConfig::default()
@@ -209,7 +217,7 @@ fn coefficients_equal_numerical_derivative_of_the_loss_on_every_branch() {
     for (k, name) in [
         "unclipped A > 0",
         "unclipped A < 0",
-        "clipped high (A > 0, rho > 1 + eps_high)",
+        "clipped high (A > 0, rho > 1 + eps_high; or A < 0, rho > delta)",
         "clipped low (A < 0, rho < 1 - eps_low)",
         "A = 0",
     ]
@@ -644,4 +652,57 @@ fn bad_inputs_are_errors_not_panics() {
     ] {
         assert_eq!(Aggregation::parse(name, 8).unwrap(), want, "{name}");
     }
+}
+
+#[test]
+fn two_sided_clipping_zeroes_negative_advantage_tokens_above_delta() {
+    // One sequence with A = -0.707 (rewards 0 and 1 over G = 2, sample std sqrt(0.5)),
+    // three tokens with rho = 1.1, 1.5, 3.0 against delta = 2 (eps_high 0.2).
+    let cfg = GrpoConfig {
+        delta: Some(2.0),
+        ..GrpoConfig::default()
+    };
+    let adv = advantages(&[0.0, 1.0], 2, cfg.advantage_norm, cfg.std_eps).unwrap();
+    let lengths = [3, 0];
+    let w = aggregation_weights(&lengths, cfg.aggregation);
+    let logp = [-1.0f32, -1.0, -1.0];
+    let old: Vec<f32> = [1.1f64, 1.5, 3.0]
+        .iter()
+        .map(|r| (-1.0 - r.ln()) as f32)
+        .collect();
+    let seqs = Sequences {
+        lengths: &lengths,
+        advantages: &adv,
+        weights: &w,
+    };
+    let lp = TokenLogprobs {
+        logp: &logp,
+        old: Some(&old),
+        reference: None,
+    };
+    let c = Coefficients::after_forward(&cfg, seqs, lp).unwrap();
+    let a = adv[0] as f64;
+    assert!(a < 0.0);
+    // Below delta (A < 0 is never clipped high): c = -A rho w, rho from the f32 inputs
+    // (relative error of the f32 result 6e-8).
+    for t in 0..2 {
+        let rho = (logp[t] as f64 - old[t] as f64).exp();
+        let want = -a * rho * w[0] as f64;
+        assert!(
+            (c.per_token[t] as f64 - want).abs() <= 1e-7 * want.abs(),
+            "token {t}"
+        );
+    }
+    // Above delta: no gradient, counted as clipped; without delta it would have one.
+    assert_eq!(c.per_token[2], 0.0);
+    assert_eq!(c.stats.clipped_high, 1);
+    let plain = Coefficients::after_forward(&GrpoConfig::default(), seqs, lp).unwrap();
+    assert!(plain.per_token[2] > 0.0);
+    // A delta inside the clip range is refused, naming the field.
+    let bad = GrpoConfig {
+        delta: Some(1.1),
+        ..GrpoConfig::default()
+    };
+    assert!(bad.validate().unwrap_err().to_string().contains("delta"));
+    assert!(cfg.validate().is_ok());
 }

@@ -329,6 +329,7 @@ fn every_bad_input_is_a_clear_error_that_changes_nothing() {
         }
     };
     cases.push(t(&["--task", "sudoku"], &["sudoku", "arithmetic"]));
+    cases.push(t(&["--delta", "1.1"], &["--delta", "--epsilon-high"]));
     cases.push(t(&["--task", "jsonl"], &["--data"]));
     cases.push(t(
         &["--loss-type", "sum"],

@@ -495,6 +495,8 @@ fn every_task_and_policy_runs() {
             "--mask-truncated-completions",
             "--loss-type",
             "dr_grpo",
+            "--delta",
+            "1.6",
         ],
     ] {
         // One directory for every run: each replaces the one before.

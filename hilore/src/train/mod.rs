@@ -178,6 +178,10 @@ pub struct TrainArgs {
     /// `mask_truncated_completions`); `grpo`'s mean over sequences still counts them.
     #[arg(long, help_heading = "GRPO")]
     mask_truncated_completions: bool,
+    /// Two-sided clipping (TRL's `delta`): a token with negative advantage and ratio
+    /// above delta gets no gradient; must exceed 1 + --epsilon-high. Default: off.
+    #[arg(long, help_heading = "GRPO")]
+    delta: Option<f32>,
     /// TRL's `loss_type`: `dapo` (token mean over the step), `grpo` (mean of the
     /// sequences' token means) or `dr_grpo` (sum over sequences x --max-new-tokens).
     /// `token-mean` and `seq-mean-token-mean` name the first two.
@@ -564,6 +568,15 @@ impl RunSettings {
         ] {
             check_flag(flag, v, range, hint)?;
         }
+        if let Some(d) = a.delta {
+            let hi = a.epsilon_high.unwrap_or(a.epsilon);
+            if !(d.is_finite() && d > 1.0 + hi) {
+                bail!(
+                    "--delta is {d}; it must be a number above 1 + --epsilon-high = {} (TRL suggests 1 + 2 x epsilon_high or more)",
+                    1.0 + hi
+                );
+            }
+        }
         let grpo = GrpoConfig {
             eps_low: a.epsilon,
             eps_high: a.epsilon_high.unwrap_or(a.epsilon),
@@ -578,6 +591,7 @@ impl RunSettings {
             epochs: a.epochs,
             kl_bias_correction: a.use_bias_correction_kl,
             mask_truncated_completions: a.mask_truncated_completions,
+            delta: a.delta,
         };
         grpo.validate().context("GRPO settings")?;
         let model = match (&a.config, zoo, tokenizer) {
