@@ -282,6 +282,56 @@ fn clipped_tokens_have_zero_policy_coefficient_and_are_counted() {
 
 #[test]
 fn before_forward_is_minus_a_w_and_matches_after_forward_in_the_first_epoch() {
+    // Every loss type, reward scaling, two-sided clip and truncation mask: with beta = 0
+    // and one epoch the coefficients are known before the forward, and equal the
+    // after-forward ones bit for bit.
+    let truncated: Vec<bool> = (0..12).map(|i| i % 5 == 2).collect();
+    for aggregation in [
+        Aggregation::TokenMean,
+        Aggregation::SeqMeanTokenMean,
+        Aggregation::DrGrpo {
+            max_completion_length: 9,
+        },
+    ] {
+        for advantage_norm in [
+            AdvantageNorm::GroupStd,
+            AdvantageNorm::BatchStd,
+            AdvantageNorm::None,
+        ] {
+            for (delta, masked) in [(None, false), (Some(1.5), true)] {
+                let cfg = GrpoConfig {
+                    aggregation,
+                    advantage_norm,
+                    delta,
+                    mask_truncated_completions: masked,
+                    ..GrpoConfig::default()
+                };
+                assert!(known_before_forward(&cfg, 0), "{cfg:?}");
+                let b = batch(5, 3, 4, &cfg);
+                let adv = advantages(&b.rewards, 4, cfg.advantage_norm, cfg.std_eps).unwrap();
+                let w = aggregation_weights_masked(
+                    &b.lengths,
+                    masked.then_some(truncated.as_slice()),
+                    cfg.aggregation,
+                );
+                let seqs = Sequences {
+                    lengths: &b.lengths,
+                    advantages: &adv,
+                    weights: &w,
+                };
+                let pre = Coefficients::before_forward(&cfg, seqs).unwrap();
+                let lp = TokenLogprobs {
+                    logp: &b.logp,
+                    old: None,
+                    reference: None,
+                };
+                let post = Coefficients::after_forward(&cfg, seqs, lp).unwrap();
+                assert_eq!(pre.per_token, post.per_token, "{cfg:?}");
+                // Not vacuous: some tokens carry a coefficient.
+                assert!(pre.per_token.iter().any(|&c| c != 0.0), "{cfg:?}");
+            }
+        }
+    }
     let cfg = GrpoConfig::default();
     assert!(known_before_forward(&cfg, 0));
     assert!(!known_before_forward(&cfg, 1), "epoch 2: rho != 1");
