@@ -308,8 +308,8 @@ struct Table {
 const NONE: u32 = u32::MAX;
 
 impl Solver {
-    /// Solves `problem`. Errors with [`Infeasible`] (as the message) when nothing fits.
-    pub fn solve(&self, problem: &Problem) -> std::result::Result<Selection, Infeasible> {
+    /// Checks that `problem` is well formed and that its least-memory selection fits.
+    fn admissible(&self, problem: &Problem) -> std::result::Result<(), Infeasible> {
         problem
             .check()
             .map_err(|e| Infeasible::Invalid(e.to_string()))?;
@@ -320,10 +320,19 @@ impl Solver {
                 capacity: problem.capacity,
             });
         }
-        let at = |lambda: f64| -> Selection {
-            let t = self.table(problem, lambda);
-            problem.selection(backtrack(problem, &t, t.units_cap), lambda)
-        };
+        Ok(())
+    }
+
+    /// The optimum of `seconds + lambda * risk` within the capacity (one DP table).
+    fn optimum(&self, problem: &Problem, lambda: f64) -> Selection {
+        let t = self.table(problem, lambda);
+        problem.selection(backtrack(problem, &t, t.units_cap), lambda)
+    }
+
+    /// Solves `problem`. Errors with [`Infeasible`] (as the message) when nothing fits.
+    pub fn solve(&self, problem: &Problem) -> std::result::Result<Selection, Infeasible> {
+        self.admissible(problem)?;
+        let at = |lambda: f64| self.optimum(problem, lambda);
         let s0 = at(0.0);
         if s0.risk <= problem.risk_budget {
             return Ok(s0);
@@ -386,20 +395,8 @@ impl Solver {
         if !(hint.is_finite() && hint > 0.0) {
             return self.solve(problem);
         }
-        problem
-            .check()
-            .map_err(|e| Infeasible::Invalid(e.to_string()))?;
-        let min_bytes = problem.min_bytes();
-        if min_bytes > problem.capacity {
-            return Err(Infeasible::Memory {
-                min_bytes,
-                capacity: problem.capacity,
-            });
-        }
-        let at = |lambda: f64| -> Selection {
-            let t = self.table(problem, lambda);
-            problem.selection(backtrack(problem, &t, t.units_cap), lambda)
-        };
+        self.admissible(problem)?;
+        let at = |lambda: f64| self.optimum(problem, lambda);
         let fits = |s: &Selection| s.risk <= problem.risk_budget;
         let s0 = at(0.0);
         if fits(&s0) {
@@ -474,26 +471,8 @@ impl Solver {
         problem: &Problem,
         lambda: f64,
     ) -> std::result::Result<Selection, Infeasible> {
-        problem
-            .check()
-            .map_err(|e| Infeasible::Invalid(e.to_string()))?;
-        let min_bytes = problem.min_bytes();
-        if min_bytes > problem.capacity {
-            return Err(Infeasible::Memory {
-                min_bytes,
-                capacity: problem.capacity,
-            });
-        }
-        let t = self.table(problem, lambda);
-        let picks = backtrack(problem, &t, t.units_cap);
-        let (seconds, risk, bytes) = problem.totals(&picks);
-        Ok(Selection {
-            picks,
-            seconds,
-            risk,
-            bytes,
-            lambda,
-        })
+        self.admissible(problem)?;
+        Ok(self.optimum(problem, lambda))
     }
 
     fn table(&self, problem: &Problem, lambda: f64) -> Table {

@@ -88,9 +88,27 @@ struct TensorEntry {
     crc32: Option<u32>,
 }
 
-/// The little-endian bytes of `data`.
-fn le_bytes(data: &[f32]) -> Vec<u8> {
-    data.iter().flat_map(|x| x.to_le_bytes()).collect()
+/// Hands `data`'s little-endian bytes to `f` in blocks of at most 16 KiB (a stack
+/// buffer: no copy of the tensor), for its checksum and for writing it.
+fn le_blocks<E>(data: &[f32], mut f: impl FnMut(&[u8]) -> Result<(), E>) -> Result<(), E> {
+    let mut buf = [0u8; 16384];
+    for chunk in data.chunks(buf.len() / 4) {
+        for (b, x) in buf.chunks_exact_mut(4).zip(chunk) {
+            b.copy_from_slice(&x.to_le_bytes());
+        }
+        f(&buf[..chunk.len() * 4])?;
+    }
+    Ok(())
+}
+
+/// CRC-32 of `data`'s little-endian bytes.
+fn crc_of(data: &[f32]) -> u32 {
+    let mut h = crc32fast::Hasher::new();
+    let _ = le_blocks::<()>(data, |b| {
+        h.update(b);
+        Ok(())
+    });
+    h.finalize()
 }
 
 #[derive(Serialize, Deserialize)]
@@ -123,7 +141,7 @@ impl Checkpoint {
                 .map(|t| TensorEntry {
                     name: t.name.clone(),
                     shape: t.shape.clone(),
-                    crc32: Some(crc32fast::hash(&le_bytes(&t.data))),
+                    crc32: Some(crc_of(&t.data)),
                 })
                 .collect(),
         };
@@ -147,9 +165,7 @@ impl Checkpoint {
             w.write_all(&crc32fast::hash(&header).to_le_bytes())?;
             w.write_all(&header)?;
             for t in &self.tensors {
-                for &x in &t.data {
-                    w.write_all(&x.to_le_bytes())?;
-                }
+                le_blocks(&t.data, |b| w.write_all(b))?;
             }
             Ok(())
         })
