@@ -40,6 +40,21 @@ struct Batch {
 
 const H: f64 = 1e-3;
 
+/// Every loss type (`dr_grpo` with a completion limit of 9 tokens, above the batches'
+/// 8) and every reward scaling.
+const LOSS_TYPES: [Aggregation; 3] = [
+    Aggregation::TokenMean,
+    Aggregation::SeqMeanTokenMean,
+    Aggregation::DrGrpo {
+        max_completion_length: 9,
+    },
+];
+const SCALINGS: [AdvantageNorm; 3] = [
+    AdvantageNorm::GroupStd,
+    AdvantageNorm::BatchStd,
+    AdvantageNorm::None,
+];
+
 fn batch(seed: u64, groups: usize, g: usize, cfg: &GrpoConfig) -> Batch {
     let mut r = Rng(seed);
     let n = groups * g;
@@ -176,18 +191,8 @@ fn check_against_fd(cfg: &GrpoConfig, b: &Batch, g: usize, with_old: bool) -> [u
 fn coefficients_equal_numerical_derivative_of_the_loss_on_every_branch() {
     let mut seen = [0usize; 5];
     let mut cases = 0;
-    for aggregation in [
-        Aggregation::TokenMean,
-        Aggregation::SeqMeanTokenMean,
-        Aggregation::DrGrpo {
-            max_completion_length: 9,
-        },
-    ] {
-        for advantage_norm in [
-            AdvantageNorm::GroupStd,
-            AdvantageNorm::BatchStd,
-            AdvantageNorm::None,
-        ] {
+    for aggregation in LOSS_TYPES {
+        for advantage_norm in SCALINGS {
             for beta in [0.0, 0.04, 0.5] {
                 for (kl_bias_correction, delta) in [(true, None), (false, None), (true, Some(1.4))]
                 {
@@ -286,18 +291,8 @@ fn before_forward_is_minus_a_w_and_matches_after_forward_in_the_first_epoch() {
     // and one epoch the coefficients are known before the forward, and equal the
     // after-forward ones bit for bit.
     let truncated: Vec<bool> = (0..12).map(|i| i % 5 == 2).collect();
-    for aggregation in [
-        Aggregation::TokenMean,
-        Aggregation::SeqMeanTokenMean,
-        Aggregation::DrGrpo {
-            max_completion_length: 9,
-        },
-    ] {
-        for advantage_norm in [
-            AdvantageNorm::GroupStd,
-            AdvantageNorm::BatchStd,
-            AdvantageNorm::None,
-        ] {
+    for aggregation in LOSS_TYPES {
+        for advantage_norm in SCALINGS {
             for (delta, masked) in [(None, false), (Some(1.5), true)] {
                 let cfg = GrpoConfig {
                     aggregation,

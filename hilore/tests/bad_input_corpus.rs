@@ -91,7 +91,7 @@ fn poke_tensor(path: &Path, name: &str, x: f32) {
 /// A tiny `hilore train` command line writing into `w`; flags in `extra` replace the
 /// defaults of the same name.
 fn train(w: &Path, extra: &[&str]) -> Vec<String> {
-    let defaults: [(&str, &str); 14] = [
+    let defaults = [
         ("--layers", "1"),
         ("--hidden", "16"),
         ("--heads", "2"),
@@ -107,23 +107,7 @@ fn train(w: &Path, extra: &[&str]) -> Vec<String> {
         ("--policy", "recompute"),
         ("--seed", "3"),
     ];
-    let mut v: Vec<String> = vec!["train".into(), "--no-progress".into()];
-    for (flag, value) in defaults {
-        if !extra.contains(&flag) {
-            v.push(flag.into());
-            v.push(value.into());
-        }
-    }
-    for (flag, file) in [
-        ("--checkpoint", "run.ckpt"),
-        ("--metrics", "metrics.jsonl"),
-        ("--summary", "summary.json"),
-    ] {
-        v.push(flag.into());
-        v.push(w.join(file).display().to_string());
-    }
-    v.extend(extra.iter().map(|s| s.to_string()));
-    v
+    support::train_args(&defaults, w, extra)
 }
 
 /// Runs `hilore args` for at most 60 seconds (a hang is a failure, not a stuck suite):

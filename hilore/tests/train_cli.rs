@@ -7,7 +7,7 @@ mod support;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
-use support::{hilore, run_ok};
+use support::{files_of, hilore, run_ok, size_in};
 
 fn tmp(name: &str) -> PathBuf {
     support::tmpdir("train-cli", name)
@@ -33,23 +33,7 @@ fn tiny(dir: &Path, extra: &[&str]) -> Vec<String> {
         ("--seed", "3"),
         ("--steps", "2"),
     ];
-    let mut v: Vec<String> = vec!["train".into(), "--no-progress".into()];
-    for (flag, value) in defaults {
-        if !extra.contains(&flag) {
-            v.push(flag.into());
-            v.push(value.into());
-        }
-    }
-    for (flag, file) in [
-        ("--checkpoint", "run.ckpt"),
-        ("--metrics", "metrics.jsonl"),
-        ("--summary", "summary.json"),
-    ] {
-        v.push(flag.into());
-        v.push(dir.join(file).display().to_string());
-    }
-    v.extend(extra.iter().map(|s| s.to_string()));
-    v
+    support::train_args(&defaults, dir, extra)
 }
 
 /// The metrics lines without their timing fields (wall times and rates differ between
@@ -598,22 +582,6 @@ fn bad_input_is_a_clear_error() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
-/// Every file of `dir`: name and bytes.
-fn files_of(dir: &Path) -> Vec<(String, Vec<u8>)> {
-    let mut v: Vec<_> = std::fs::read_dir(dir)
-        .unwrap()
-        .map(|e| {
-            let e = e.unwrap();
-            (
-                e.file_name().to_string_lossy().into_owned(),
-                std::fs::read(e.path()).unwrap(),
-            )
-        })
-        .collect();
-    v.sort();
-    v
-}
-
 #[test]
 fn a_new_run_never_replaces_an_earlier_runs_files_unless_forced() {
     let dir = tmp("guard");
@@ -621,6 +589,7 @@ fn a_new_run_never_replaces_an_earlier_runs_files_unless_forced() {
     let args = tiny(&dir, &["--steps", "1", "--policy", "recompute"]);
     run_ok(&args);
     let before = files_of(&dir);
+    let tensors_before = checkpoint_tensors(&dir);
     let names: Vec<&str> = before.iter().map(|(n, _)| n.as_str()).collect();
     assert_eq!(names, ["metrics.jsonl", "run.ckpt", "summary.json"]);
 
@@ -642,49 +611,21 @@ fn a_new_run_never_replaces_an_earlier_runs_files_unless_forced() {
     // A checkpoint write that fails (a file-size limit below the checkpoint's size,
     // SIGXFSZ ignored so the write gets EFBIG as on a full disk) leaves the old one whole
     // and no temporary beside it.
-    let ckpt = before
-        .iter()
-        .find(|(n, _)| n == "run.ckpt")
-        .unwrap()
-        .1
-        .len();
-    let blocks = ckpt / 512 / 2;
-    assert!(blocks > 0);
-    let script = format!("trap '' XFSZ; ulimit -f {blocks}; exec \"$0\" \"$@\" --force");
-    let o = Command::new("sh")
-        .args(["-c", &script, env!("CARGO_BIN_EXE_hilore")])
-        .args(&args)
-        .output()
-        .unwrap();
-    let err = String::from_utf8_lossy(&o.stderr);
-    assert_eq!(o.status.code(), Some(2), "{err}");
+    let mut forced = args.clone();
+    forced.push("--force".into());
+    let (code, err) = support::hilore_with_file_limit(size_in(&before, "run.ckpt") / 2, &forced);
+    assert_eq!(code, 2, "{err}");
     assert!(err.contains("run.ckpt"), "the checkpoint is named: {err}");
-    let after = files_of(&dir);
+    // The same files, so no temporary either.
     assert_eq!(
-        after, before,
+        files_of(&dir),
+        before,
         "a failed checkpoint write changed the run's files"
-    );
-    assert!(
-        after.iter().all(|(n, _)| !n.contains(".tmp-")),
-        "a temporary was left: {:?}",
-        after.iter().map(|(n, _)| n).collect::<Vec<_>>()
     );
 
     // --force starts over; the run is the same as the first (same seed).
-    let mut forced = args.clone();
-    forced.push("--force".into());
     run_ok(&forced);
-    assert_eq!(
-        checkpoint_tensors(&dir),
-        before
-            .iter()
-            .find(|(n, _)| n == "run.ckpt")
-            .map(|(_, b)| {
-                let h = u64::from_le_bytes(b[16..24].try_into().unwrap()) as usize;
-                b[28 + h..].to_vec()
-            })
-            .unwrap()
-    );
+    assert_eq!(checkpoint_tensors(&dir), tensors_before);
     // --force and --resume contradict each other.
     let mut both = forced.clone();
     both.push("--resume".into());
@@ -704,33 +645,19 @@ fn a_failed_export_of_the_trained_policy_keeps_the_old_model_in_out() {
     );
     run_ok(&args);
     let before = files_of(&out);
-    let weights = before
-        .iter()
-        .find(|(n, _)| n == "model.safetensors")
-        .map(|(_, b)| b.len())
-        .unwrap();
     // Resumed at its last step the run trains nothing and writes no checkpoint, only the
-    // export, here under a file-size limit of half the weights (SIGXFSZ ignored, so the
-    // write fails with EFBIG as on a full disk).
-    let script = format!(
-        "trap '' XFSZ; ulimit -f {}; exec \"$0\" \"$@\" --resume",
-        weights / 512 / 2
-    );
-    let o = Command::new("sh")
-        .args(["-c", &script, env!("CARGO_BIN_EXE_hilore")])
-        .args(&args)
-        .output()
-        .unwrap();
-    let err = String::from_utf8_lossy(&o.stderr);
-    assert_eq!(o.status.code(), Some(2), "{err}");
+    // export, here limited to half the weights' size.
+    let mut again = args.clone();
+    again.push("--resume".into());
+    let (code, err) =
+        support::hilore_with_file_limit(size_in(&before, "model.safetensors") / 2, &again);
+    assert_eq!(code, 2, "{err}");
     assert!(
         err.contains("model.safetensors"),
         "the file is named: {err}"
     );
     assert_eq!(files_of(&out), before, "a failed export changed --out");
     // Without the limit the same resume exports again: the same weights.
-    let mut again = args.clone();
-    again.push("--resume".into());
     run_ok(&again);
     assert_eq!(files_of(&out), before);
 }

@@ -7,7 +7,7 @@ use hilore_models::{zoo, DecoderConfig, TokenBatch};
 use hilore_runtime::Cx;
 use serde_json::{json, Value};
 use std::path::{Path, PathBuf};
-use support::{hilore, run_ok};
+use support::{files_of, hilore, run_ok, size_in};
 
 fn tmpdir(name: &str) -> PathBuf {
     support::tmpdir("cli-zoo", name)
@@ -187,22 +187,6 @@ fn export_writes_a_directory_that_reloads_bit_identically() {
     assert!(err.contains("model directory itself"), "{err}");
 }
 
-/// Every file of `dir`, name and bytes (to tell that nothing changed).
-fn snapshot(dir: &Path) -> Vec<(String, Vec<u8>)> {
-    let mut v: Vec<_> = std::fs::read_dir(dir)
-        .unwrap()
-        .map(|e| {
-            let e = e.unwrap();
-            (
-                e.file_name().to_string_lossy().into_owned(),
-                std::fs::read(e.path()).unwrap(),
-            )
-        })
-        .collect();
-    v.sort();
-    v
-}
-
 #[test]
 fn export_never_replaces_a_model_unless_forced_and_a_failed_write_keeps_the_old_one() {
     let dir = model_dir("export-guard-src");
@@ -218,7 +202,7 @@ fn export_never_replaces_a_model_unless_forced_and_a_failed_write_keeps_the_old_
         "--out",
         out.to_str().unwrap(),
     ]);
-    let before = snapshot(&out);
+    let before = files_of(&out);
     assert!(before.iter().any(|(n, _)| n == "model.safetensors"));
 
     // Without --force: refused before any work, naming the directory, the file and the flag.
@@ -230,39 +214,25 @@ fn export_never_replaces_a_model_unless_forced_and_a_failed_write_keeps_the_old_
             && err.contains("--force"),
         "{err}"
     );
-    assert_eq!(snapshot(&out), before);
+    assert_eq!(files_of(&out), before);
 
-    // With --force under a file-size limit below the weights' size (SIGXFSZ ignored, so
-    // the write fails with EFBIG as on a full disk): an error, and the old model whole,
-    // with no temporary left.
-    let weights = before
-        .iter()
-        .find(|(n, _)| n == "model.safetensors")
-        .map(|(_, b)| b.len())
-        .unwrap();
-    let blocks = weights / 512 / 2; // half the weights, in ulimit's 512-byte blocks
-    assert!(blocks > 0);
-    let script = format!(
-        "trap '' XFSZ; ulimit -f {blocks}; exec \"$0\" export --model \"$1\" --out \"$2\" --force"
+    // With --force, limited to half the weights' size (a write past it fails as on a
+    // full disk): an error, and the old model whole, with no temporary left.
+    let (code, err) = support::hilore_with_file_limit(
+        size_in(&before, "model.safetensors") / 2,
+        &on_model("export", &dir, "--out", &out, &["--force"]),
     );
-    let status = std::process::Command::new("sh")
-        .args(["-c", &script, env!("CARGO_BIN_EXE_hilore")])
-        .arg(&dir)
-        .arg(&out)
-        .output()
-        .unwrap();
-    let err = String::from_utf8_lossy(&status.stderr);
-    assert_eq!(status.status.code(), Some(2), "{err}");
+    assert_eq!(code, 2, "{err}");
     assert!(
         err.contains("model.safetensors"),
         "the failed file is named: {err}"
     );
-    assert_eq!(snapshot(&out), before, "a failed export changed --out");
+    assert_eq!(files_of(&out), before, "a failed export changed --out");
     zoo::load(&out, &Device::Cpu).expect("the old model still loads");
 
     // With --force and room: replaced, and equal to an export into a fresh directory.
     run_ok(&on_model("export", &dir, "--out", &out, &["--force"]));
     let fresh = tmpdir("export-guard-fresh");
     run_ok(&on_model("export", &dir, "--out", &fresh, &[]));
-    assert_eq!(snapshot(&out), snapshot(&fresh));
+    assert_eq!(files_of(&out), files_of(&fresh));
 }

@@ -167,7 +167,7 @@ fn first_non_finite(t: &Tensor) -> Option<(usize, f32)> {
 /// Checks that `path` is a regular file (not a FIFO or a device, which a read would block
 /// on or never finish) that resolves inside `dir` (a symlinked shard may not lead out of
 /// the model directory).
-pub fn inside_regular_file(dir: &Path, path: &Path) -> Result<(), ModelError> {
+fn inside_regular_file(dir: &Path, path: &Path) -> Result<(), ModelError> {
     // A file that cannot be looked at is left to the read, whose error says more (which
     // index listed the shard).
     let Ok(meta) = std::fs::metadata(path) else {

@@ -95,3 +95,74 @@ pub fn write_model(dir: &Path, cfg: &DecoderConfig, seed: u64, tokenizer: Option
         std::fs::write(dir.join("tokenizer.json"), t).unwrap();
     }
 }
+
+/// Every regular file directly in `dir`: name and bytes, sorted by name (to tell that a
+/// command changed nothing).
+pub fn files_of(dir: &Path) -> Vec<(String, Vec<u8>)> {
+    let mut v: Vec<_> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap())
+        .filter(|e| e.file_type().unwrap().is_file())
+        .map(|e| {
+            (
+                e.file_name().to_string_lossy().into_owned(),
+                std::fs::read(e.path()).unwrap(),
+            )
+        })
+        .collect();
+    v.sort();
+    v
+}
+
+/// The size of file `name` in a [`files_of`] listing.
+pub fn size_in(files: &[(String, Vec<u8>)], name: &str) -> usize {
+    files
+        .iter()
+        .find(|(n, _)| n == name)
+        .map(|(_, b)| b.len())
+        .unwrap_or_else(|| panic!("no {name} in the listing"))
+}
+
+/// Runs `hilore args` with every file it writes limited to `max_bytes` (rounded down to
+/// `ulimit -f`'s 512-byte blocks) and SIGXFSZ ignored, so a write past the limit fails
+/// with EFBIG as on a full disk: its exit code (-1 when it has none) and stderr.
+pub fn hilore_with_file_limit<S: AsRef<OsStr>>(max_bytes: usize, args: &[S]) -> (i32, String) {
+    let blocks = max_bytes / 512;
+    assert!(
+        blocks > 0,
+        "a limit of {max_bytes} bytes is below one block"
+    );
+    let script = format!("trap '' XFSZ; ulimit -f {blocks}; exec \"$0\" \"$@\"");
+    let o = Command::new("sh")
+        .args(["-c", &script, env!("CARGO_BIN_EXE_hilore")])
+        .args(args)
+        .output()
+        .expect("sh runs");
+    (
+        o.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&o.stderr).into_owned(),
+    )
+}
+
+/// A `hilore train` command line writing its checkpoint, metrics and summary into `dir`
+/// (`run.ckpt`, `metrics.jsonl`, `summary.json`): the flags `defaults` except those that
+/// `extra` gives, then `extra`.
+pub fn train_args(defaults: &[(&str, &str)], dir: &Path, extra: &[&str]) -> Vec<String> {
+    let mut v: Vec<String> = vec!["train".into(), "--no-progress".into()];
+    for (flag, value) in defaults {
+        if !extra.contains(flag) {
+            v.push(flag.to_string());
+            v.push(value.to_string());
+        }
+    }
+    for (flag, file) in [
+        ("--checkpoint", "run.ckpt"),
+        ("--metrics", "metrics.jsonl"),
+        ("--summary", "summary.json"),
+    ] {
+        v.push(flag.into());
+        v.push(dir.join(file).display().to_string());
+    }
+    v.extend(extra.iter().map(|s| s.to_string()));
+    v
+}
