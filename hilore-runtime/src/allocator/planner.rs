@@ -140,6 +140,7 @@ type Peaks = HashMap<Vec<Fidelity>, usize, foldhash::fast::RandomState>;
 #[derive(PartialEq)]
 struct Replan {
     shape: MicrobatchShape,
+    capacity: i64,
     exposure: u64,
     room: u64,
     picks: Vec<Pick>,
@@ -1029,8 +1030,8 @@ impl Allocator {
         let mut risks: Vec<f64> = sel.iter().map(|s| s.risk).collect();
         // Exact peaks by plan (byte figures do not depend on the microbatch).
         let mut peaks = Peaks::default();
-        // Steps 3-5 are a function of the microbatch's shape and exposure, its selection
-        // and seed, and the risk the others leave it. Microbatches that agree on all of
+        // Steps 3-5 are a function of the microbatch's shape, exposure and capacity, its
+        // selection and seed, and the risk the others leave it. Microbatches that agree on all of
         // these (those without exposure, whose choices carry no risk, need not agree on
         // the last) take the plan found for the first of them.
         let mut planned: Vec<(Replan, usize)> = Vec::new();
@@ -1038,6 +1039,7 @@ impl Allocator {
             let e = assumed_exposure.unwrap_or(mbs[k].exposure);
             let key = Replan {
                 shape: mbs[k].shape,
+                capacity: p.capacity,
                 exposure: e.to_bits(),
                 room: if e == 0.0 {
                     0
