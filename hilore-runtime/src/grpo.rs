@@ -118,17 +118,20 @@ impl fmt::Display for AdvantageNorm {
     }
 }
 
-/// How per-token losses are summed into the step's loss (TRL's `loss_type`).
+/// How per-token losses are summed into the step's loss: the aggregation half of TRL's
+/// `loss_type` ([`LossType`] names the pairs).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum Aggregation {
     /// Mean over every response token of the optimizer step: `w = 1 / sum_j |o_j|`
-    /// (TRL's `dapo`, its default).
+    /// (TRL's `dapo`, its default, and `cispo`). With several optimizer steps per
+    /// generation, TRL divides by the generation batch's tokens over the number of steps,
+    /// `w = K / sum_gen |o_j|`, and so does [`aggregation_weights_layout`].
     #[default]
     TokenMean,
     /// Mean over the step's `S` sequences of each sequence's token mean:
-    /// `w_i = 1 / (S |o_i|)` (TRL's `grpo`). `S` counts every sequence, empty ones too, as
-    /// TRL's mean over the batch does.
+    /// `w_i = 1 / (S |o_i|)` (TRL's `grpo` and `sapo`). `S` counts every sequence, empty
+    /// ones too, as TRL's mean over the batch does.
     SeqMeanTokenMean,
     /// A constant normaliser: `w = 1 / (S * max_completion_length)` over the step's `S`
     /// sequences (TRL's `dr_grpo`, Dr. GRPO's unbiased sum).
@@ -136,32 +139,153 @@ pub enum Aggregation {
         /// The longest a completion may be (`--max-new-tokens`).
         max_completion_length: usize,
     },
-}
-
-impl Aggregation {
-    /// Parses TRL's loss types `dapo`, `grpo` or `dr_grpo` (also `token-mean`,
-    /// `seq-mean-token-mean`, `dr-grpo`); `dr_grpo` normalises by
-    /// `max_completion_length`.
-    pub fn parse(s: &str, max_completion_length: usize) -> Result<Self> {
-        match s {
-            "dapo" | "token-mean" => Ok(Self::TokenMean),
-            "grpo" | "seq-mean-token-mean" => Ok(Self::SeqMeanTokenMean),
-            "dr_grpo" | "dr-grpo" => Ok(Self::DrGrpo {
-                max_completion_length,
-            }),
-            _ => Err(Error::Tape(format!(
-                "unknown loss type `{s}`; use `dapo` (token mean over the step), `grpo` (mean of the sequences' token means) or `dr_grpo` (sum over max_completion_length)"
-            ))),
-        }
-    }
+    /// Token mean within each loss microbatch of `per_device_train_batch_size`
+    /// sequences, averaged over the step's `gradient_accumulation_steps` microbatches:
+    /// `w_i = 1 / (GA * sum_{j in mb(i)} |o_j|)` (TRL's `bnpo`; see [`StepLayout`]).
+    Bnpo,
 }
 
 impl fmt::Display for Aggregation {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(match self {
-            Self::TokenMean => "dapo",
-            Self::SeqMeanTokenMean => "grpo",
-            Self::DrGrpo { .. } => "dr_grpo",
+            Self::TokenMean => "token-mean",
+            Self::SeqMeanTokenMean => "seq-mean-token-mean",
+            Self::DrGrpo { .. } => "dr-grpo",
+            Self::Bnpo => "bnpo",
+        })
+    }
+}
+
+/// What the per-token loss is made of, before aggregation: the surrogate half of TRL's
+/// `loss_type`.
+#[derive(Debug, Clone, Copy, PartialEq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Surrogate {
+    /// PPO's clipped surrogate, `-min(rho A, clip(rho, 1 - eps_low, 1 + eps_high) A)`
+    /// (TRL's `grpo`, `bnpo`, `dr_grpo`, `dapo`), with the optional two-sided cap `delta`.
+    #[default]
+    Clip,
+    /// CISPO: the importance weight truncated at `eps_high` and detached,
+    /// `-min(rho, eps_high) A logp` (TRL's `cispo`; `eps_high` is ScaleRL's `eps_max`,
+    /// e.g. 5, not a distance from 1). Every token keeps a gradient.
+    Cispo,
+    /// SAPO: a soft gate instead of the clip, `-sigmoid(tau (rho - 1)) 4 / tau A`, with
+    /// `tau = temperature_pos` where `A > 0` and `temperature_neg` elsewhere (TRL's
+    /// `sapo`; its defaults 1.0 and 1.05).
+    Sapo {
+        /// `sapo_temperature_pos`.
+        temperature_pos: f32,
+        /// `sapo_temperature_neg`.
+        temperature_neg: f32,
+    },
+}
+
+/// TRL's `loss_type`: a [`Surrogate`] and an [`Aggregation`].
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct LossType {
+    /// The per-token loss.
+    pub surrogate: Surrogate,
+    /// How per-token losses are summed.
+    pub aggregation: Aggregation,
+}
+
+impl LossType {
+    /// The loss types HiLoRe computes, by TRL's names.
+    pub const NAMES: [&'static str; 6] = ["dapo", "grpo", "dr_grpo", "bnpo", "cispo", "sapo"];
+
+    /// Parses TRL's loss types `dapo`, `grpo`, `dr_grpo`, `bnpo`, `cispo` or `sapo` (also
+    /// `token-mean`, `seq-mean-token-mean` and `dr-grpo`). `dr_grpo` normalises by
+    /// `max_completion_length`; `sapo` takes TRL's default temperatures (1.0 where
+    /// `A > 0`, 1.05 elsewhere), which a caller may replace.
+    pub fn parse(s: &str, max_completion_length: usize) -> Result<Self> {
+        let clip = |aggregation| {
+            Ok(Self {
+                surrogate: Surrogate::Clip,
+                aggregation,
+            })
+        };
+        match s {
+            "dapo" | "token-mean" => clip(Aggregation::TokenMean),
+            "grpo" | "seq-mean-token-mean" => clip(Aggregation::SeqMeanTokenMean),
+            "dr_grpo" | "dr-grpo" => clip(Aggregation::DrGrpo {
+                max_completion_length,
+            }),
+            "bnpo" => clip(Aggregation::Bnpo),
+            "cispo" => Ok(Self {
+                surrogate: Surrogate::Cispo,
+                aggregation: Aggregation::TokenMean,
+            }),
+            "sapo" => Ok(Self {
+                surrogate: Surrogate::Sapo {
+                    temperature_pos: 1.0,
+                    temperature_neg: 1.05,
+                },
+                aggregation: Aggregation::SeqMeanTokenMean,
+            }),
+            "luspo" | "vespo" => Err(Error::Tape(format!(
+                "loss type `{s}` is not implemented; use one of {}",
+                Self::NAMES.join(", ")
+            ))),
+            _ => Err(Error::Tape(format!(
+                "unknown loss type `{s}`; use `dapo` (token mean over the step), `grpo` (mean of the sequences' token means), `dr_grpo` (sum over max_completion_length), `bnpo` (token mean per loss microbatch), `cispo` (truncated importance weights) or `sapo` (soft gate)"
+            ))),
+        }
+    }
+
+    /// TRL's name of this pair; `None` for a pair TRL has no name for (e.g. CISPO's
+    /// surrogate under `grpo`'s aggregation).
+    pub fn name(&self) -> Option<&'static str> {
+        Some(match (self.surrogate, self.aggregation) {
+            (Surrogate::Clip, Aggregation::TokenMean) => "dapo",
+            (Surrogate::Clip, Aggregation::SeqMeanTokenMean) => "grpo",
+            (Surrogate::Clip, Aggregation::DrGrpo { .. }) => "dr_grpo",
+            (Surrogate::Clip, Aggregation::Bnpo) => "bnpo",
+            (Surrogate::Cispo, Aggregation::TokenMean) => "cispo",
+            (Surrogate::Sapo { .. }, Aggregation::SeqMeanTokenMean) => "sapo",
+            _ => return None,
+        })
+    }
+}
+
+impl fmt::Display for LossType {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.name() {
+            Some(n) => f.write_str(n),
+            None => write!(f, "{:?} with {}", self.surrogate, self.aggregation),
+        }
+    }
+}
+
+/// Where the importance ratio is taken (TRL's `importance_sampling_level`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum ImportanceSampling {
+    /// One ratio per token, `rho_t = exp(logp_t - old_t)` (GRPO).
+    #[default]
+    Token,
+    /// One ratio per sequence, the geometric mean of its tokens' ratios,
+    /// `rho = exp(mean_t (logp_t - old_t))`, shared by every token of the sequence (GSPO).
+    Sequence,
+}
+
+impl ImportanceSampling {
+    /// Parses `token` or `sequence`.
+    pub fn parse(s: &str) -> Result<Self> {
+        match s {
+            "token" => Ok(Self::Token),
+            "sequence" => Ok(Self::Sequence),
+            _ => Err(Error::Tape(format!(
+                "unknown importance sampling level `{s}`; use `token` (GRPO) or `sequence` (GSPO)"
+            ))),
+        }
+    }
+}
+
+impl fmt::Display for ImportanceSampling {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Self::Token => "token",
+            Self::Sequence => "sequence",
         })
     }
 }
@@ -199,6 +323,13 @@ pub struct GrpoConfig {
     /// `None` (the default) disables it; it should exceed `1 + eps_high`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub delta: Option<f32>,
+    /// The per-token loss (TRL's `loss_type` names it with [`GrpoConfig::aggregation`];
+    /// see [`LossType`]). Absent in settings written before it existed: the clip.
+    #[serde(default)]
+    pub surrogate: Surrogate,
+    /// Token or sequence importance ratios (TRL's `importance_sampling_level`).
+    #[serde(default)]
+    pub importance_sampling: ImportanceSampling,
 }
 
 impl Default for GrpoConfig {
@@ -216,11 +347,30 @@ impl Default for GrpoConfig {
             kl_bias_correction: true,
             mask_truncated_completions: false,
             delta: None,
+            surrogate: Surrogate::Clip,
+            importance_sampling: ImportanceSampling::Token,
         }
     }
 }
 
 impl GrpoConfig {
+    /// TRL's `loss_type` of this configuration.
+    pub fn loss_type(&self) -> LossType {
+        LossType {
+            surrogate: self.surrogate,
+            aggregation: self.aggregation,
+        }
+    }
+
+    /// Sets the surrogate and aggregation of TRL's `loss_type`.
+    pub fn with_loss_type(self, t: LossType) -> Self {
+        GrpoConfig {
+            surrogate: t.surrogate,
+            aggregation: t.aggregation,
+            ..self
+        }
+    }
+
     /// Checks the ranges: `0 <= eps_low < 1`, `eps_high >= 0`, `beta >= 0`, `std_eps > 0`,
     /// `epochs >= 1`, all finite.
     pub fn validate(&self) -> Result<()> {
@@ -262,6 +412,27 @@ impl GrpoConfig {
                 "it must be at least 1 (update epochs per rollout batch)",
             );
         }
+        if let Surrogate::Sapo {
+            temperature_pos,
+            temperature_neg,
+        } = self.surrogate
+        {
+            for (field, t) in [
+                ("sapo_temperature_pos", temperature_pos),
+                ("sapo_temperature_neg", temperature_neg),
+            ] {
+                if !(t.is_finite() && t > 0.0) {
+                    return bad(field, t.to_string(), "it must be > 0 (TRL: 1.0 and 1.05)");
+                }
+            }
+        }
+        if self.delta.is_some() && self.surrogate != Surrogate::Clip {
+            return bad(
+                "delta",
+                format!("set with loss type {}", self.loss_type()),
+                "two-sided clipping applies to the clipped losses (dapo, grpo, dr_grpo, bnpo) only; drop delta",
+            );
+        }
         if let Some(d) = self.delta {
             // Above the clip range, the capped term is the min exactly where A < 0 and
             // rho > delta; at or below it the two clips would interleave.
@@ -277,10 +448,15 @@ impl GrpoConfig {
     }
 }
 
-/// Whether the coefficients of update epoch `epoch` (0-based) are known before the
-/// actor update's forward: only in the first epoch (`rho = 1`) and without a KL term.
-pub fn known_before_forward(cfg: &GrpoConfig, epoch: usize) -> bool {
-    epoch == 0 && cfg.beta == 0.0
+/// Whether the coefficients of an optimizer step are known before the actor update's
+/// forward. `update` counts the optimizer steps since the rollout (0-based: epoch x steps
+/// per generation + step): only the first (`rho = 1`: the policy has not moved since it
+/// sampled), and only without a KL term. Every [`Surrogate`] and either
+/// [`ImportanceSampling`] level qualifies then: at `rho = 1` (a sequence's mean log-ratio
+/// is exactly 0 too) the clip is inactive, CISPO's weight is `min(1, eps_high)`, SAPO's
+/// gate has slope 1, and `delta > 1` caps nothing.
+pub fn known_before_forward(cfg: &GrpoConfig, update: usize) -> bool {
+    update == 0 && cfg.beta == 0.0
 }
 
 /// Group-relative advantages of `rewards`, laid out group by group (`rewards[g * G + j]`
@@ -342,6 +518,73 @@ pub fn advantages(
     Ok(out)
 }
 
+/// How TRL cuts a generation batch into loss microbatches and optimizer steps: the
+/// sequences of one generation (HiLoRe's rollout batch, `prompts x group`) are
+/// `steps_per_generation` loss microbatches of `batch_size` consecutive sequences
+/// (TRL's `per_device_train_batch_size`), and every `accumulation` of them
+/// (`gradient_accumulation_steps`) make one optimizer step, so a generation feeds
+/// `steps_per_generation / accumulation` optimizer steps.
+///
+/// Only the loss weights depend on it (`bnpo`'s token means per microbatch, the number of
+/// sequences per step of `grpo` and `dr_grpo`, `dapo`'s steps per generation); HiLoRe packs
+/// its own microbatches by a token budget, independently.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StepLayout {
+    /// Sequences per loss microbatch (`per_device_train_batch_size`).
+    pub batch_size: usize,
+    /// Loss microbatches per optimizer step (`gradient_accumulation_steps`).
+    pub accumulation: usize,
+    /// Loss microbatches per generation (`steps_per_generation`).
+    pub steps_per_generation: usize,
+}
+
+impl StepLayout {
+    /// One optimizer step of one microbatch over all `sequences` of the generation.
+    pub fn single(sequences: usize) -> Self {
+        StepLayout {
+            batch_size: sequences.max(1),
+            accumulation: 1,
+            steps_per_generation: 1,
+        }
+    }
+
+    /// The layout of a generation of `sequences` with `accumulation` microbatches per
+    /// optimizer step and `steps_per_generation` microbatches per generation; errors,
+    /// naming the fix, unless they divide evenly.
+    pub fn new(sequences: usize, accumulation: usize, steps_per_generation: usize) -> Result<Self> {
+        if accumulation == 0 || steps_per_generation == 0 {
+            return Err(Error::Tape(format!(
+                "gradient_accumulation_steps is {accumulation} and steps_per_generation {steps_per_generation}; both must be at least 1"
+            )));
+        }
+        if steps_per_generation % accumulation != 0 {
+            return Err(Error::Tape(format!(
+                "steps_per_generation ({steps_per_generation}) must be a multiple of gradient_accumulation_steps ({accumulation}): each optimizer step takes {accumulation} microbatches of the generation"
+            )));
+        }
+        if sequences == 0 || sequences % steps_per_generation != 0 {
+            return Err(Error::Tape(format!(
+                "a generation of {sequences} sequences does not split into steps_per_generation = {steps_per_generation} equal microbatches; make prompts x group a multiple of {steps_per_generation}"
+            )));
+        }
+        Ok(StepLayout {
+            batch_size: sequences / steps_per_generation,
+            accumulation,
+            steps_per_generation,
+        })
+    }
+
+    /// Optimizer steps per generation.
+    pub fn steps(&self) -> usize {
+        self.steps_per_generation / self.accumulation
+    }
+
+    /// Sequences per optimizer step.
+    pub fn sequences_per_step(&self) -> usize {
+        self.batch_size * self.accumulation
+    }
+}
+
 /// The aggregation weight `w_i` of every token of each sequence, for the sequences of one
 /// optimizer step with `lengths[i]` response tokens each. Empty sequences get weight 0.
 pub fn aggregation_weights(lengths: &[usize], aggregation: Aggregation) -> Vec<f32> {
@@ -350,14 +593,40 @@ pub fn aggregation_weights(lengths: &[usize], aggregation: Aggregation) -> Vec<f
 
 /// [`aggregation_weights`] with the sequences where `masked[i]` is true left out of the
 /// loss (TRL's `mask_truncated_completions`: responses cut at the length limit): their
-/// weight is 0 and their tokens leave `dapo`'s token count, while `grpo`'s mean and
-/// `dr_grpo`'s normaliser still count them, as TRL's per-batch means do.
+/// weight is 0 and their tokens leave `dapo`'s and `bnpo`'s token counts, while `grpo`'s
+/// mean and `dr_grpo`'s normaliser still count them, as TRL's per-batch means do.
 pub fn aggregation_weights_masked(
     lengths: &[usize],
     masked: Option<&[bool]>,
     aggregation: Aggregation,
 ) -> Vec<f32> {
+    aggregation_weights_layout(lengths, masked, aggregation, StepLayout::single(lengths.len()))
+}
+
+/// The aggregation weights of a whole generation's sequences (`lengths`, in TRL's
+/// microbatch order) cut by `layout` into loss microbatches and optimizer steps, as TRL
+/// weighs them (each optimizer step's gradient is its microbatches' sum):
+///
+/// - `dapo` / `cispo`: `w = 1 / (N * GA / SPG)` with `N` the generation's kept tokens
+///   (TRL's `num_items_in_batch`, rescaled to one accumulation window);
+/// - `grpo` / `sapo`: `w_i = 1 / (B * GA * |o_i|)`;
+/// - `dr_grpo`: `w = 1 / (B * GA * max_completion_length)`;
+/// - `bnpo`: `w_i = 1 / (GA * n_mb(i))`, `n_mb(i)` the kept tokens of sequence `i`'s
+///   microbatch (at least 1).
+///
+/// `layout` must fit `lengths.len()` sequences ([`StepLayout::new`]).
+pub fn aggregation_weights_layout(
+    lengths: &[usize],
+    masked: Option<&[bool]>,
+    aggregation: Aggregation,
+    layout: StepLayout,
+) -> Vec<f32> {
     let kept = |i: usize| lengths[i] > 0 && !masked.is_some_and(|m| m[i]);
+    let kept_tokens = |r: std::ops::Range<usize>| -> usize {
+        r.filter(|&i| kept(i)).map(|i| lengths[i]).sum()
+    };
+    let b = layout.batch_size.max(1);
+    let ga = layout.accumulation.max(1) as f64;
     let per_sequence = |w: &dyn Fn(usize) -> f64| -> Vec<f32> {
         (0..lengths.len())
             .map(|i| if kept(i) { w(i) as f32 } else { 0.0 })
@@ -365,22 +634,24 @@ pub fn aggregation_weights_masked(
     };
     match aggregation {
         Aggregation::TokenMean => {
-            let total: usize = (0..lengths.len())
-                .filter(|&i| kept(i))
-                .map(|i| lengths[i])
-                .sum();
-            per_sequence(&|_| 1.0 / total.max(1) as f64)
+            let n = kept_tokens(0..lengths.len()).max(1) as f64;
+            let normaliser = n * ga / layout.steps_per_generation.max(1) as f64;
+            per_sequence(&|_| 1.0 / normaliser)
         }
         Aggregation::DrGrpo {
             max_completion_length,
         } => {
-            let d = lengths.len() as f64 * max_completion_length.max(1) as f64;
+            let d = b as f64 * ga * max_completion_length.max(1) as f64;
             per_sequence(&|_| 1.0 / d)
         }
         Aggregation::SeqMeanTokenMean => {
-            let s = lengths.len() as f64;
-            per_sequence(&|i| 1.0 / (s * lengths[i] as f64))
+            per_sequence(&|i| 1.0 / (b as f64 * ga * lengths[i] as f64))
         }
+        Aggregation::Bnpo => per_sequence(&|i| {
+            let start = i / b * b;
+            let n = kept_tokens(start..(start + b).min(lengths.len())).max(1);
+            1.0 / (ga * n as f64)
+        }),
     }
 }
 
@@ -488,10 +759,112 @@ fn offsets_of(lengths: &[usize]) -> Vec<usize> {
     o
 }
 
+/// A token's surrogate at importance ratio `rho` (its own, or its sequence's): the
+/// derivative of its per-token loss in `logp` through `rho` (`dl/drho * rho`; for CISPO,
+/// whose weight is detached, the derivative of `-w A logp` itself), and which side clipped.
+/// At a tie the unclipped branch is taken.
+struct SurrogateTerms {
+    grad: f64,
+    clipped_low: bool,
+    clipped_high: bool,
+}
+
+fn surrogate_terms(cfg: &GrpoConfig, a: f64, rho: f64) -> SurrogateTerms {
+    match cfg.surrogate {
+        Surrogate::Clip => {
+            let clipped_high = a > 0.0 && rho > 1.0 + cfg.eps_high as f64;
+            let clipped_low = a < 0.0 && rho < 1.0 - cfg.eps_low as f64;
+            // Two-sided clipping: with A < 0 and rho above delta the capped term
+            // delta * A is the min (delta > 1 + eps_high), a constant.
+            let capped = cfg.delta.is_some_and(|d| a < 0.0 && rho > d as f64);
+            SurrogateTerms {
+                grad: if clipped_high || clipped_low || capped {
+                    0.0
+                } else {
+                    -a * rho
+                },
+                clipped_low,
+                clipped_high: clipped_high || capped,
+            }
+        }
+        Surrogate::Cispo => {
+            let cap = cfg.eps_high as f64;
+            SurrogateTerms {
+                grad: -a * rho.min(cap),
+                clipped_low: false,
+                clipped_high: rho > cap,
+            }
+        }
+        Surrogate::Sapo { .. } => {
+            // d/drho [sigmoid(tau (rho - 1)) 4 / tau] = 4 s (1 - s): tau cancels, and at
+            // rho = 1 (s = 1/2) the slope is exactly 1.
+            let s = sapo_gate(cfg, a, rho);
+            SurrogateTerms {
+                grad: -a * 4.0 * s * (1.0 - s) * rho,
+                clipped_low: false,
+                clipped_high: false,
+            }
+        }
+    }
+}
+
+/// SAPO's gate `sigmoid(tau (rho - 1))`, `tau` by the advantage's sign as TRL picks it
+/// (`A > 0`: `temperature_pos`; otherwise `temperature_neg`).
+fn sapo_gate(cfg: &GrpoConfig, a: f64, rho: f64) -> f64 {
+    let Surrogate::Sapo {
+        temperature_pos,
+        temperature_neg,
+    } = cfg.surrogate
+    else {
+        return 0.5;
+    };
+    let tau = if a > 0.0 { temperature_pos } else { temperature_neg } as f64;
+    1.0 / (1.0 + (-tau * (rho - 1.0)).exp())
+}
+
+/// A token's per-token surrogate loss value at ratio `rho` (`detached_rho` is CISPO's
+/// weight, frozen; equal to `rho` except when differentiating numerically).
+fn surrogate_value(cfg: &GrpoConfig, a: f64, rho: f64, detached_rho: f64, logp: f64) -> f64 {
+    match cfg.surrogate {
+        Surrogate::Clip => {
+            let (lo, hi) = (1.0 - cfg.eps_low as f64, 1.0 + cfg.eps_high as f64);
+            let capped = cfg.delta.map_or(rho, |d| rho.min(d as f64));
+            -f64::min(capped * a, rho.max(lo).min(hi) * a)
+        }
+        Surrogate::Cispo => -detached_rho.min(cfg.eps_high as f64) * a * logp,
+        Surrogate::Sapo {
+            temperature_pos,
+            temperature_neg,
+        } => {
+            let tau = if a > 0.0 { temperature_pos } else { temperature_neg } as f64;
+            -sapo_gate(cfg, a, rho) * 4.0 / tau * a
+        }
+    }
+}
+
+/// The importance ratios of one sequence's tokens: each its own (`token`) or the
+/// sequence's geometric mean for all (`sequence`); all exactly 1 without old log-probs.
+fn ratios(cfg: &GrpoConfig, logp: &[f32], old: Option<&[f32]>) -> Vec<f64> {
+    let Some(old) = old else {
+        return vec![1.0; logp.len()];
+    };
+    let log_ratio = |t: usize| logp[t] as f64 - old[t] as f64;
+    match cfg.importance_sampling {
+        ImportanceSampling::Token => (0..logp.len()).map(|t| log_ratio(t).exp()).collect(),
+        ImportanceSampling::Sequence => {
+            let mean = (0..logp.len()).map(log_ratio).sum::<f64>() / logp.len().max(1) as f64;
+            vec![mean.exp(); logp.len()]
+        }
+    }
+}
+
 impl Coefficients {
-    /// The coefficients known before the forward: `c = -A * w` (first epoch, so `rho = 1`;
-    /// no KL). Errors when `cfg.beta > 0`, where the coefficients need the forward's
-    /// log-probs ([`Coefficients::after_forward`]).
+    /// The coefficients known before the forward (the first optimizer step since the
+    /// rollout, so `rho = 1`; no KL): `c = -A * w` (CISPO's `-A * min(1, eps_high) * w`),
+    /// bit for bit what [`Coefficients::after_forward`] gives then. Errors when
+    /// `cfg.beta > 0`, where the coefficients need the forward's log-probs.
+    /// `stats.loss` is the surrogate's value at `rho = 1` (CISPO's needs the log-probs
+    /// and counts 0 here).
     pub fn before_forward(cfg: &GrpoConfig, seqs: Sequences<'_>) -> Result<Self> {
         if cfg.beta != 0.0 {
             return Err(Error::Tape(format!(
@@ -507,10 +880,12 @@ impl Coefficients {
             ..Default::default()
         };
         for ((&l, &a), &w) in seqs.lengths.iter().zip(seqs.advantages).zip(seqs.weights) {
-            let c = -(a as f64) * w as f64;
-            per_token.extend(std::iter::repeat_n(c as f32, l));
-            // l = -A per token when rho = 1 and beta = 0.
-            stats.loss += -(a as f64) * w as f64 * l as f64;
+            let (a, w) = (a as f64, w as f64);
+            let terms = surrogate_terms(cfg, a, 1.0);
+            per_token.extend(std::iter::repeat_n((w * terms.grad) as f32, l));
+            if cfg.surrogate != Surrogate::Cispo {
+                stats.loss += w * surrogate_value(cfg, a, 1.0, 1.0, 0.0) * l as f64;
+            }
         }
         Ok(Coefficients {
             per_token,
@@ -520,8 +895,11 @@ impl Coefficients {
     }
 
     /// The coefficients after the forward, from the current log-probs (and the old and
-    /// reference ones when given): `c = w (-A rho [not clipped] + beta rho (1 - exp(ref - logp) + k3))`
-    /// (`beta (1 - exp(ref - logp))` for the KL part without the bias correction).
+    /// reference ones when given): per token, `w` times the surrogate's derivative at the
+    /// token's ratio (see the module docs) plus, with `beta > 0`, the KL term's:
+    /// `beta rho (1 - exp(ref - logp) + k3)` with the bias correction (at the sequence
+    /// level `beta rho (1 - exp(ref - logp) + mean_t k3)`), `beta (1 - exp(ref - logp))`
+    /// without it.
     pub fn after_forward(
         cfg: &GrpoConfig,
         seqs: Sequences<'_>,
@@ -537,42 +915,47 @@ impl Coefficients {
         let offsets = offsets_of(seqs.lengths);
         for (i, w2) in offsets.windows(2).enumerate() {
             let (a, w) = (seqs.advantages[i] as f64, seqs.weights[i] as f64);
-            for t in w2[0]..w2[1] {
-                let logp = lp.logp[t] as f64;
-                let rho = match lp.old {
-                    Some(old) => (logp - old[t] as f64).exp(),
-                    None => 1.0,
-                };
-                let clipped_high = a > 0.0 && rho > 1.0 + cfg.eps_high as f64;
-                let clipped_low = a < 0.0 && rho < 1.0 - cfg.eps_low as f64;
-                // Two-sided clipping: with A < 0 and rho above delta the capped term
-                // delta * A is the min (delta > 1 + eps_high), a constant.
-                let capped = cfg.delta.is_some_and(|d| a < 0.0 && rho > d as f64);
-                stats.clipped_high += (clipped_high || capped) as usize;
-                stats.clipped_low += clipped_low as usize;
-                let mut c = if clipped_high || clipped_low || capped {
-                    0.0
-                } else {
-                    -a * rho
-                };
-                let clipped_rho = rho.clamp(1.0 - cfg.eps_low as f64, 1.0 + cfg.eps_high as f64);
-                let rho1 = cfg.delta.map_or(rho, |d| rho.min(d as f64));
-                let mut l = -(rho1 * a).min(clipped_rho * a);
+            let span = w2[0]..w2[1];
+            let logp = &lp.logp[span.clone()];
+            let rho = ratios(cfg, logp, lp.old.map(|o| &o[span.clone()]));
+            // The reference's k3 per token, and its mean over the sequence (what a
+            // sequence-level ratio's KL weight differentiates into).
+            let k3: Vec<f64> = match lp.reference {
+                Some(r) => (span.clone())
+                    .map(|t| {
+                        let d = r[t] as f64 - lp.logp[t] as f64;
+                        d.exp() - d - 1.0
+                    })
+                    .collect(),
+                None => Vec::new(),
+            };
+            let k3_mean = k3.iter().sum::<f64>() / logp.len().max(1) as f64;
+            stats.kl_sum += k3.iter().sum::<f64>();
+            for (k, t) in span.enumerate() {
+                let terms = surrogate_terms(cfg, a, rho[k]);
+                stats.clipped_high += terms.clipped_high as usize;
+                stats.clipped_low += terms.clipped_low as usize;
+                let mut c = terms.grad;
+                let mut l = surrogate_value(cfg, a, rho[k], rho[k], logp[k] as f64);
                 if let (true, Some(r)) = (cfg.beta > 0.0, lp.reference) {
-                    let d = r[t] as f64 - logp;
-                    let k3 = d.exp() - d - 1.0;
-                    stats.kl_sum += k3;
+                    let d = r[t] as f64 - logp[k] as f64;
+                    let beta = cfg.beta as f64;
                     if cfg.kl_bias_correction {
-                        // d(rho k3)/dlogp = rho k3 + rho (1 - exp(ref - logp)).
-                        c += cfg.beta as f64 * rho * (1.0 - d.exp() + k3);
-                        l += cfg.beta as f64 * rho * k3;
+                        // d(rho k3)/dlogp_t: rho k3 + rho (1 - exp(ref - logp)) with the
+                        // token's own ratio; with the sequence's, the k3 part spreads over
+                        // its tokens as their mean.
+                        let spread = match cfg.importance_sampling {
+                            ImportanceSampling::Token => k3[k],
+                            ImportanceSampling::Sequence => k3_mean,
+                        };
+                        // Without old log-probs TRL's ratio is exp(logp - logp.detach()):
+                        // 1, but with its derivative, so the spread term stays.
+                        c += beta * rho[k] * (1.0 - d.exp() + spread);
+                        l += beta * rho[k] * k3[k];
                     } else {
-                        c += cfg.beta as f64 * (1.0 - d.exp());
-                        l += cfg.beta as f64 * k3;
+                        c += beta * (1.0 - d.exp());
+                        l += beta * k3[k];
                     }
-                } else if let Some(r) = lp.reference {
-                    let d = r[t] as f64 - logp;
-                    stats.kl_sum += d.exp() - d - 1.0;
                 }
                 stats.loss += w * l;
                 per_token.push((w * c) as f32);
@@ -648,33 +1031,54 @@ fn check_logprobs(cfg: &GrpoConfig, total: usize, lp: &TokenLogprobs<'_>) -> Res
 /// `rho = 1`; to differentiate the first epoch's loss numerically, pass the unperturbed
 /// current log-probs as `old` (the detached copy they stand for).
 pub fn loss(cfg: &GrpoConfig, seqs: Sequences<'_>, lp: TokenLogprobs<'_>) -> Result<f64> {
+    loss_with_detached(cfg, seqs, lp, None)
+}
+
+/// [`loss`] with CISPO's detached weight `min(rho, eps_high)` evaluated at the log-probs
+/// `detached` (`None`: at `lp.logp`). A numerical derivative of CISPO's loss holds them
+/// at the unperturbed log-probs, as autograd's detach does.
+pub fn loss_with_detached(
+    cfg: &GrpoConfig,
+    seqs: Sequences<'_>,
+    lp: TokenLogprobs<'_>,
+    detached: Option<&[f32]>,
+) -> Result<f64> {
     let total = seqs.check()?;
     check_logprobs(cfg, total, &lp)?;
-    let (lo, hi) = (1.0 - cfg.eps_low as f64, 1.0 + cfg.eps_high as f64);
+    if detached.is_some_and(|d| d.len() != total) {
+        return Err(Error::Tape(format!(
+            "GRPO: detached log-probs for {total} response tokens have another length"
+        )));
+    }
     let mut sum = 0.0;
-    let mut t = 0;
+    let mut start = 0;
     for i in 0..seqs.lengths.len() {
         let a = seqs.advantages[i] as f64;
+        let span = start..start + seqs.lengths[i];
+        start = span.end;
+        let logp = &lp.logp[span.clone()];
+        let old = lp.old.map(|o| &o[span.clone()]);
+        let rho = ratios(cfg, logp, old);
+        let frozen = match detached {
+            Some(d) => ratios(cfg, &d[span.clone()], old),
+            None => rho.clone(),
+        };
         let mut seq = 0.0;
-        for _ in 0..seqs.lengths[i] {
-            let logp = lp.logp[t] as f64;
-            let ratio = lp.old.map_or(1.0, |o| (logp - o[t] as f64).exp());
-            let capped = cfg.delta.map_or(ratio, |d| ratio.min(d as f64));
-            let surrogate = f64::min(capped * a, ratio.max(lo).min(hi) * a);
+        for (k, t) in span.enumerate() {
+            let surrogate = surrogate_value(cfg, a, rho[k], frozen[k], logp[k] as f64);
             let kl = match lp.reference {
                 Some(r) => {
-                    let log_q_over_p = r[t] as f64 - logp;
+                    let log_q_over_p = r[t] as f64 - logp[k] as f64;
                     let k3 = log_q_over_p.exp() - log_q_over_p - 1.0;
                     if cfg.kl_bias_correction {
-                        ratio * k3
+                        rho[k] * k3
                     } else {
                         k3
                     }
                 }
                 None => 0.0,
             };
-            seq += -surrogate + cfg.beta as f64 * kl;
-            t += 1;
+            seq += surrogate + cfg.beta as f64 * kl;
         }
         sum += seqs.weights[i] as f64 * seq;
     }

@@ -6,7 +6,7 @@
 use hilore_runtime::grpo::{
     self, advantages, aggregation_weights, aggregation_weights_masked, exposure_per_sequence,
     known_before_forward, microbatch_exposure, pack_by_token_budget, AdvantageNorm, Aggregation,
-    Coefficients, GrpoConfig, Sequences, TokenLogprobs,
+    Coefficients, GrpoConfig, ImportanceSampling, LossType, Sequences, Surrogate, TokenLogprobs,
 };
 
 /// splitmix64, so the tests need no RNG crate and are the same on every machine.
@@ -287,43 +287,53 @@ fn clipped_tokens_have_zero_policy_coefficient_and_are_counted() {
 
 #[test]
 fn before_forward_is_minus_a_w_and_matches_after_forward_in_the_first_epoch() {
-    // Every loss type, reward scaling, two-sided clip and truncation mask: with beta = 0
-    // and one epoch the coefficients are known before the forward, and equal the
-    // after-forward ones bit for bit.
+    // Every loss type, importance sampling level, reward scaling, two-sided clip and
+    // truncation mask: with beta = 0 and the first optimizer step the coefficients are
+    // known before the forward, and equal the after-forward ones bit for bit, with no old
+    // log-probs or with the current ones as old (TRL's `old = logp.detach()`).
     let truncated: Vec<bool> = (0..12).map(|i| i % 5 == 2).collect();
-    for aggregation in LOSS_TYPES {
-        for advantage_norm in SCALINGS {
-            for (delta, masked) in [(None, false), (Some(1.5), true)] {
-                let cfg = GrpoConfig {
-                    aggregation,
-                    advantage_norm,
-                    delta,
-                    mask_truncated_completions: masked,
-                    ..GrpoConfig::default()
-                };
-                assert!(known_before_forward(&cfg, 0), "{cfg:?}");
-                let b = batch(5, 3, 4, &cfg);
-                let adv = advantages(&b.rewards, 4, cfg.advantage_norm, cfg.std_eps).unwrap();
-                let w = aggregation_weights_masked(
-                    &b.lengths,
-                    masked.then_some(truncated.as_slice()),
-                    cfg.aggregation,
-                );
-                let seqs = Sequences {
-                    lengths: &b.lengths,
-                    advantages: &adv,
-                    weights: &w,
-                };
-                let pre = Coefficients::before_forward(&cfg, seqs).unwrap();
-                let lp = TokenLogprobs {
-                    logp: &b.logp,
-                    old: None,
-                    reference: None,
-                };
-                let post = Coefficients::after_forward(&cfg, seqs, lp).unwrap();
-                assert_eq!(pre.per_token, post.per_token, "{cfg:?}");
-                // Not vacuous: some tokens carry a coefficient.
-                assert!(pre.per_token.iter().any(|&c| c != 0.0), "{cfg:?}");
+    for name in LossType::NAMES {
+        for importance_sampling in [ImportanceSampling::Token, ImportanceSampling::Sequence] {
+            for advantage_norm in SCALINGS {
+                for (delta, masked) in [(None, false), (Some(1.5), true)] {
+                    let t = LossType::parse(name, 9).unwrap();
+                    let cfg = GrpoConfig {
+                        advantage_norm,
+                        delta: delta.filter(|_| t.surrogate == Surrogate::Clip),
+                        mask_truncated_completions: masked,
+                        importance_sampling,
+                        ..GrpoConfig::default()
+                    }
+                    .with_loss_type(t);
+                    cfg.validate().unwrap();
+                    assert!(known_before_forward(&cfg, 0), "{cfg:?}");
+                    assert!(!known_before_forward(&cfg, 1), "{cfg:?}");
+                    let b = batch(5, 3, 4, &cfg);
+                    let adv =
+                        advantages(&b.rewards, 4, cfg.advantage_norm, cfg.std_eps).unwrap();
+                    let w = aggregation_weights_masked(
+                        &b.lengths,
+                        masked.then_some(truncated.as_slice()),
+                        cfg.aggregation,
+                    );
+                    let seqs = Sequences {
+                        lengths: &b.lengths,
+                        advantages: &adv,
+                        weights: &w,
+                    };
+                    let pre = Coefficients::before_forward(&cfg, seqs).unwrap();
+                    for old in [None, Some(b.logp.as_slice())] {
+                        let lp = TokenLogprobs {
+                            logp: &b.logp,
+                            old,
+                            reference: None,
+                        };
+                        let post = Coefficients::after_forward(&cfg, seqs, lp).unwrap();
+                        assert_eq!(pre.per_token, post.per_token, "{cfg:?}");
+                    }
+                    // Not vacuous: some tokens carry a coefficient.
+                    assert!(pre.per_token.iter().any(|&c| c != 0.0), "{cfg:?}");
+                }
             }
         }
     }
@@ -683,7 +693,14 @@ fn bad_inputs_are_errors_not_panics() {
     }
     assert!(GrpoConfig::default().validate().is_ok());
     assert!(AdvantageNorm::parse("zscore").is_err());
-    assert!(Aggregation::parse("sum", 8).is_err());
+    assert!(LossType::parse("sum", 8).is_err());
+    assert!(LossType::parse("luspo", 8)
+        .unwrap_err()
+        .to_string()
+        .contains("not implemented"));
+    for name in LossType::NAMES {
+        assert_eq!(LossType::parse(name, 8).unwrap().name(), Some(name));
+    }
     for (name, want) in [
         ("seq-mean-token-mean", Aggregation::SeqMeanTokenMean),
         ("grpo", Aggregation::SeqMeanTokenMean),
@@ -695,7 +712,7 @@ fn bad_inputs_are_errors_not_panics() {
             },
         ),
     ] {
-        assert_eq!(Aggregation::parse(name, 8).unwrap(), want, "{name}");
+        assert_eq!(LossType::parse(name, 8).unwrap().aggregation, want, "{name}");
     }
 }
 
@@ -750,4 +767,183 @@ fn two_sided_clipping_zeroes_negative_advantage_tokens_above_delta() {
     };
     assert!(bad.validate().unwrap_err().to_string().contains("delta"));
     assert!(cfg.validate().is_ok());
+}
+
+/// The loss types beyond the clip (CISPO, SAPO, `bnpo`'s weights) and sequence-level
+/// importance ratios (GSPO), each with and without old log-probs, KL and its bias
+/// correction: every coefficient against the central difference of `grpo::loss` (CISPO's
+/// weight held at the unperturbed log-probs, as autograd's detach does).
+///
+/// Bound as in the clip test: FD truncation ~h^2/6 x third derivative ~2e-7 x scale, f32
+/// rounding of c 6e-8 x scale, so 1e-5 x scale is a 50x margin; a missing or wrong term is
+/// O(scale). A sequence whose ratio lies within 20 h of a clip boundary (a kink the
+/// central difference would straddle: one token moves the mean log-ratio by h / |o|) is
+/// left out and counted.
+#[test]
+fn every_loss_type_and_sequence_level_ratios_equal_numerical_derivative() {
+    let mut checked = 0usize;
+    let mut skipped = 0usize;
+    let mut seed = 500;
+    for name in LossType::NAMES {
+        for importance_sampling in [ImportanceSampling::Token, ImportanceSampling::Sequence] {
+            for beta in [0.0f32, 0.3] {
+                for kl_bias_correction in [true, false] {
+                    for with_old in [true, false] {
+                        let t = LossType::parse(name, 9).unwrap();
+                        let cfg = GrpoConfig {
+                            beta,
+                            kl_bias_correction,
+                            importance_sampling,
+                            // CISPO's cap inside the batches' ratio range [0.5, 1.6].
+                            eps_high: if t.surrogate == Surrogate::Cispo { 1.3 } else { 0.28 },
+                            ..GrpoConfig::default()
+                        }
+                        .with_loss_type(t);
+                        cfg.validate().unwrap();
+                        seed += 1;
+                        let b = batch(seed, 4, 5, &cfg);
+                        let (c, s) = check_general_fd(&cfg, &b, 5, with_old);
+                        checked += c;
+                        skipped += s;
+                    }
+                }
+            }
+        }
+    }
+    assert!(checked >= 6 * 2 * 8 * 40, "only {checked} tokens checked");
+    assert!(skipped * 20 <= checked, "{skipped} of {checked} tokens skipped at kinks");
+}
+
+/// `bnpo`'s token means per loss microbatch, `dapo`'s over a generation of several
+/// optimizer steps, and `grpo`'s and `dr_grpo`'s per-step sequence counts, from their
+/// definitions on a small layout.
+#[test]
+fn aggregation_weights_follow_the_step_layout() {
+    use hilore_runtime::grpo::{aggregation_weights_layout, StepLayout};
+    // 8 sequences, microbatches of 2, accumulation 2, 4 microbatches per generation: 2
+    // optimizer steps.
+    let lengths = [3usize, 5, 0, 4, 2, 2, 7, 1];
+    let layout = StepLayout::new(8, 2, 4).unwrap();
+    assert_eq!(
+        (layout.batch_size, layout.steps(), layout.sequences_per_step()),
+        (2, 2, 4)
+    );
+    let w = |a| aggregation_weights_layout(&lengths, None, a, layout);
+    let bnpo = w(Aggregation::Bnpo);
+    let mb_tokens = [8.0f64, 4.0, 4.0, 8.0];
+    for (i, &l) in lengths.iter().enumerate() {
+        let want = if l == 0 { 0.0 } else { 1.0 / (2.0 * mb_tokens[i / 2]) };
+        assert_eq!(bnpo[i], want as f32, "bnpo {i}");
+    }
+    // dapo: N = 24 tokens over the generation, normaliser N x GA / SPG = 12.
+    for (i, &x) in w(Aggregation::TokenMean).iter().enumerate() {
+        assert_eq!(x, if lengths[i] == 0 { 0.0 } else { 1.0 / 12.0 }, "dapo {i}");
+    }
+    for (i, &x) in w(Aggregation::SeqMeanTokenMean).iter().enumerate() {
+        let want = if lengths[i] == 0 { 0.0 } else { 1.0 / (4.0 * lengths[i] as f64) };
+        assert_eq!(x, want as f32, "grpo {i}");
+    }
+    let dr = w(Aggregation::DrGrpo {
+        max_completion_length: 10,
+    });
+    assert_eq!(dr[0], (1.0f64 / 40.0) as f32);
+    // A masked sequence leaves bnpo's token count of its microbatch.
+    let masked = [false, true, false, false, false, false, false, false];
+    let m = aggregation_weights_layout(&lengths, Some(&masked), Aggregation::Bnpo, layout);
+    assert_eq!((m[0], m[1]), ((1.0f64 / 6.0) as f32, 0.0));
+    // Layouts that do not divide are refused, naming the fix.
+    for (n, ga, spg, what) in [
+        (8, 3, 4, "multiple of gradient_accumulation_steps"),
+        (9, 1, 2, "multiple of 2"),
+        (8, 0, 4, "at least 1"),
+    ] {
+        let e = StepLayout::new(n, ga, spg).unwrap_err().to_string();
+        assert!(e.contains(what), "{e}");
+    }
+}
+
+/// Returns (tokens checked, tokens skipped at a sequence-level kink).
+fn check_general_fd(cfg: &GrpoConfig, b: &Batch, g: usize, with_old: bool) -> (usize, usize) {
+    let adv = advantages(&b.rewards, g, cfg.advantage_norm, cfg.std_eps).unwrap();
+    let w = aggregation_weights(&b.lengths, cfg.aggregation);
+    let seqs = Sequences {
+        lengths: &b.lengths,
+        advantages: &adv,
+        weights: &w,
+    };
+    let old_const: &[f32] = if with_old { &b.old } else { &b.logp };
+    let lp = |logp: &[f32]| -> f64 {
+        grpo::loss_with_detached(
+            cfg,
+            seqs,
+            TokenLogprobs {
+                logp,
+                old: Some(old_const),
+                reference: Some(&b.reference),
+            },
+            Some(&b.logp),
+        )
+        .unwrap()
+    };
+    let c = Coefficients::after_forward(
+        cfg,
+        seqs,
+        TokenLogprobs {
+            logp: &b.logp,
+            old: with_old.then_some(b.old.as_slice()),
+            reference: Some(&b.reference),
+        },
+    )
+    .unwrap();
+    let mut kinks = vec![cfg.eps_high as f64 + 1.0, 1.0 - cfg.eps_low as f64];
+    if cfg.surrogate == Surrogate::Cispo {
+        kinks.clear();
+    }
+    let (mut checked, mut skipped) = (0, 0);
+    let mut t = 0;
+    for (i, &len) in b.lengths.iter().enumerate() {
+        let a = adv[i] as f64;
+        let span = t..t + len;
+        t += len;
+        let log_ratio = |k: usize| b.logp[k] as f64 - old_const[k] as f64;
+        let seq_rho = (span.clone().map(log_ratio).sum::<f64>() / len.max(1) as f64).exp();
+        if cfg.importance_sampling == ImportanceSampling::Sequence
+            && kinks.iter().any(|&k| (seq_rho - k).abs() <= 20.0 * H * seq_rho)
+        {
+            skipped += len;
+            continue;
+        }
+        let k3s: Vec<f64> = span
+            .clone()
+            .map(|k| {
+                let d = b.reference[k] as f64 - b.logp[k] as f64;
+                d.exp() - d - 1.0
+            })
+            .collect();
+        let k3_max = k3s.iter().fold(0.0f64, |m, &x| m.max(x.abs()));
+        for k in span {
+            let mut plus = b.logp.clone();
+            let mut minus = b.logp.clone();
+            plus[k] = (b.logp[k] as f64 + H) as f32;
+            minus[k] = (b.logp[k] as f64 - H) as f32;
+            let fd = (lp(&plus) - lp(&minus)) / (plus[k] as f64 - minus[k] as f64);
+            let rho = match cfg.importance_sampling {
+                ImportanceSampling::Token => log_ratio(k).exp(),
+                ImportanceSampling::Sequence => seq_rho,
+            };
+            let e = (b.reference[k] as f64 - b.logp[k] as f64).exp();
+            let scale = w[i] as f64
+                * (a.abs() * rho.max(1.0) + cfg.beta as f64 * rho * (1.0 + e + 2.0 * k3_max))
+                + 1e-12;
+            let got = c.per_token[k] as f64;
+            assert!(
+                (got - fd).abs() <= 1e-5 * scale,
+                "{} {}: token {k} of sequence {i}: coefficient {got}, numerical derivative {fd} (A {a}, rho {rho}, scale {scale})",
+                cfg.loss_type(),
+                cfg.importance_sampling
+            );
+            checked += 1;
+        }
+    }
+    (checked, skipped)
 }

@@ -43,7 +43,9 @@ use hilore_models::{plans, zoo, Decoder, DecoderConfig};
 use hilore_runtime::allocator::{
     AllocatorState, MemoryBudget, OnlineAllocator, StateBytes, DEFAULT_TARGET_REL_L2,
 };
-use hilore_runtime::grpo::{self, AdvantageNorm, Aggregation, GrpoConfig};
+use hilore_runtime::grpo::{
+    self, AdvantageNorm, Aggregation, GrpoConfig, ImportanceSampling, LossType, Surrogate,
+};
 use hilore_runtime::{Fidelity, Plan};
 use indicatif::{ProgressBar, ProgressStyle};
 use optimizer::{AdamW, AdamWConfig};
@@ -183,8 +185,11 @@ pub struct TrainArgs {
     #[arg(long, help_heading = "GRPO")]
     delta: Option<f32>,
     /// TRL's `loss_type`: `dapo` (token mean over the step), `grpo` (mean of the
-    /// sequences' token means) or `dr_grpo` (sum over sequences x --max-new-tokens).
-    /// `token-mean` and `seq-mean-token-mean` name the first two.
+    /// sequences' token means), `dr_grpo` (sum over sequences x --max-completion-length),
+    /// `bnpo` (token mean per loss microbatch), `cispo` (the importance weight truncated
+    /// at --epsilon-high and detached; set --epsilon-high to e.g. 5) or `sapo` (a soft
+    /// gate instead of the clip). `token-mean` and `seq-mean-token-mean` name the first
+    /// two.
     #[arg(
         long,
         alias = "aggregation",
@@ -193,6 +198,17 @@ pub struct TrainArgs {
         help_heading = "GRPO"
     )]
     loss_type: String,
+    /// TRL's `importance_sampling_level`: `token` (a ratio per token: GRPO) or
+    /// `sequence` (one per sequence, the geometric mean of its tokens': GSPO).
+    #[arg(long, default_value = "token", help_heading = "GRPO")]
+    importance_sampling_level: String,
+    /// SAPO's gate temperature where the advantage is positive (TRL's
+    /// `sapo_temperature_pos`).
+    #[arg(long, default_value_t = 1.0, help_heading = "GRPO")]
+    sapo_temperature_pos: f32,
+    /// SAPO's gate temperature elsewhere (TRL's `sapo_temperature_neg`).
+    #[arg(long, default_value_t = 1.05, help_heading = "GRPO")]
+    sapo_temperature_neg: f32,
     #[arg(long, default_value_t = 1.0, help_heading = "GRPO")]
     temperature: f64,
     #[arg(long, default_value_t = 1.0, help_heading = "GRPO")]
@@ -583,16 +599,24 @@ impl RunSettings {
             beta: a.beta,
             advantage_norm: AdvantageNorm::parse(&a.scale_rewards).context("--scale-rewards")?,
             std_eps: 1e-4,
-            aggregation: Aggregation::parse(
-                &a.loss_type,
-                a.max_new_tokens.unwrap_or(default_max_new_tokens),
-            )
-            .context("--loss-type")?,
+            aggregation: Aggregation::default(),
             epochs: a.epochs,
             kl_bias_correction: a.use_bias_correction_kl,
             mask_truncated_completions: a.mask_truncated_completions,
             delta: a.delta,
-        };
+            surrogate: Surrogate::default(),
+            importance_sampling: ImportanceSampling::parse(&a.importance_sampling_level)
+                .context("--importance-sampling-level")?,
+        }
+        .with_loss_type(sapo_temperatures(
+            LossType::parse(
+                &a.loss_type,
+                a.max_new_tokens.unwrap_or(default_max_new_tokens),
+            )
+            .context("--loss-type")?,
+            a.sapo_temperature_pos,
+            a.sapo_temperature_neg,
+        ));
         grpo.validate().context("GRPO settings")?;
         let model = match (&a.config, zoo, tokenizer) {
             (Some(_), Some(_), _) => bail!(
@@ -1599,4 +1623,18 @@ fn model_copy(model: &Decoder, cfg: &DecoderConfig) -> anyhow::Result<Decoder> {
         .map(|(n, v)| Ok((n, v.tensor().copy()?)))
         .collect::<anyhow::Result<_>>()?;
     Ok(Decoder::from_tensors(cfg, &map)?)
+}
+
+/// `t` with SAPO's gate temperatures set (other loss types have none).
+fn sapo_temperatures(t: LossType, pos: f32, neg: f32) -> LossType {
+    match t.surrogate {
+        Surrogate::Sapo { .. } => LossType {
+            surrogate: Surrogate::Sapo {
+                temperature_pos: pos,
+                temperature_neg: neg,
+            },
+            ..t
+        },
+        _ => t,
+    }
 }
