@@ -76,6 +76,8 @@
 //! sequence whose advantage is 0 (e.g. every sequence of a group whose rewards are all
 //! equal), whatever the epoch.
 
+pub mod trl;
+
 use crate::{Error, Result};
 use std::fmt;
 
@@ -600,7 +602,12 @@ pub fn aggregation_weights_masked(
     masked: Option<&[bool]>,
     aggregation: Aggregation,
 ) -> Vec<f32> {
-    aggregation_weights_layout(lengths, masked, aggregation, StepLayout::single(lengths.len()))
+    aggregation_weights_layout(
+        lengths,
+        masked,
+        aggregation,
+        StepLayout::single(lengths.len()),
+    )
 }
 
 /// The aggregation weights of a whole generation's sequences (`lengths`, in TRL's
@@ -622,9 +629,8 @@ pub fn aggregation_weights_layout(
     layout: StepLayout,
 ) -> Vec<f32> {
     let kept = |i: usize| lengths[i] > 0 && !masked.is_some_and(|m| m[i]);
-    let kept_tokens = |r: std::ops::Range<usize>| -> usize {
-        r.filter(|&i| kept(i)).map(|i| lengths[i]).sum()
-    };
+    let kept_tokens =
+        |r: std::ops::Range<usize>| -> usize { r.filter(|&i| kept(i)).map(|i| lengths[i]).sum() };
     let b = layout.batch_size.max(1);
     let ga = layout.accumulation.max(1) as f64;
     let per_sequence = |w: &dyn Fn(usize) -> f64| -> Vec<f32> {
@@ -818,7 +824,11 @@ fn sapo_gate(cfg: &GrpoConfig, a: f64, rho: f64) -> f64 {
     else {
         return 0.5;
     };
-    let tau = if a > 0.0 { temperature_pos } else { temperature_neg } as f64;
+    let tau = if a > 0.0 {
+        temperature_pos
+    } else {
+        temperature_neg
+    } as f64;
     1.0 / (1.0 + (-tau * (rho - 1.0)).exp())
 }
 
@@ -836,7 +846,11 @@ fn surrogate_value(cfg: &GrpoConfig, a: f64, rho: f64, detached_rho: f64, logp: 
             temperature_pos,
             temperature_neg,
         } => {
-            let tau = if a > 0.0 { temperature_pos } else { temperature_neg } as f64;
+            let tau = if a > 0.0 {
+                temperature_pos
+            } else {
+                temperature_neg
+            } as f64;
             -sapo_gate(cfg, a, rho) * 4.0 / tau * a
         }
     }

@@ -309,8 +309,7 @@ fn before_forward_is_minus_a_w_and_matches_after_forward_in_the_first_epoch() {
                     assert!(known_before_forward(&cfg, 0), "{cfg:?}");
                     assert!(!known_before_forward(&cfg, 1), "{cfg:?}");
                     let b = batch(5, 3, 4, &cfg);
-                    let adv =
-                        advantages(&b.rewards, 4, cfg.advantage_norm, cfg.std_eps).unwrap();
+                    let adv = advantages(&b.rewards, 4, cfg.advantage_norm, cfg.std_eps).unwrap();
                     let w = aggregation_weights_masked(
                         &b.lengths,
                         masked.then_some(truncated.as_slice()),
@@ -712,7 +711,11 @@ fn bad_inputs_are_errors_not_panics() {
             },
         ),
     ] {
-        assert_eq!(LossType::parse(name, 8).unwrap().aggregation, want, "{name}");
+        assert_eq!(
+            LossType::parse(name, 8).unwrap().aggregation,
+            want,
+            "{name}"
+        );
     }
 }
 
@@ -795,7 +798,11 @@ fn every_loss_type_and_sequence_level_ratios_equal_numerical_derivative() {
                             kl_bias_correction,
                             importance_sampling,
                             // CISPO's cap inside the batches' ratio range [0.5, 1.6].
-                            eps_high: if t.surrogate == Surrogate::Cispo { 1.3 } else { 0.28 },
+                            eps_high: if t.surrogate == Surrogate::Cispo {
+                                1.3
+                            } else {
+                                0.28
+                            },
                             ..GrpoConfig::default()
                         }
                         .with_loss_type(t);
@@ -811,7 +818,10 @@ fn every_loss_type_and_sequence_level_ratios_equal_numerical_derivative() {
         }
     }
     assert!(checked >= 6 * 2 * 8 * 40, "only {checked} tokens checked");
-    assert!(skipped * 20 <= checked, "{skipped} of {checked} tokens skipped at kinks");
+    assert!(
+        skipped * 20 <= checked,
+        "{skipped} of {checked} tokens skipped at kinks"
+    );
 }
 
 /// `bnpo`'s token means per loss microbatch, `dapo`'s over a generation of several
@@ -825,22 +835,38 @@ fn aggregation_weights_follow_the_step_layout() {
     let lengths = [3usize, 5, 0, 4, 2, 2, 7, 1];
     let layout = StepLayout::new(8, 2, 4).unwrap();
     assert_eq!(
-        (layout.batch_size, layout.steps(), layout.sequences_per_step()),
+        (
+            layout.batch_size,
+            layout.steps(),
+            layout.sequences_per_step()
+        ),
         (2, 2, 4)
     );
     let w = |a| aggregation_weights_layout(&lengths, None, a, layout);
     let bnpo = w(Aggregation::Bnpo);
     let mb_tokens = [8.0f64, 4.0, 4.0, 8.0];
     for (i, &l) in lengths.iter().enumerate() {
-        let want = if l == 0 { 0.0 } else { 1.0 / (2.0 * mb_tokens[i / 2]) };
+        let want = if l == 0 {
+            0.0
+        } else {
+            1.0 / (2.0 * mb_tokens[i / 2])
+        };
         assert_eq!(bnpo[i], want as f32, "bnpo {i}");
     }
     // dapo: N = 24 tokens over the generation, normaliser N x GA / SPG = 12.
     for (i, &x) in w(Aggregation::TokenMean).iter().enumerate() {
-        assert_eq!(x, if lengths[i] == 0 { 0.0 } else { 1.0 / 12.0 }, "dapo {i}");
+        assert_eq!(
+            x,
+            if lengths[i] == 0 { 0.0 } else { 1.0 / 12.0 },
+            "dapo {i}"
+        );
     }
     for (i, &x) in w(Aggregation::SeqMeanTokenMean).iter().enumerate() {
-        let want = if lengths[i] == 0 { 0.0 } else { 1.0 / (4.0 * lengths[i] as f64) };
+        let want = if lengths[i] == 0 {
+            0.0
+        } else {
+            1.0 / (4.0 * lengths[i] as f64)
+        };
         assert_eq!(x, want as f32, "grpo {i}");
     }
     let dr = w(Aggregation::DrGrpo {
@@ -908,7 +934,9 @@ fn check_general_fd(cfg: &GrpoConfig, b: &Batch, g: usize, with_old: bool) -> (u
         let log_ratio = |k: usize| b.logp[k] as f64 - old_const[k] as f64;
         let seq_rho = (span.clone().map(log_ratio).sum::<f64>() / len.max(1) as f64).exp();
         if cfg.importance_sampling == ImportanceSampling::Sequence
-            && kinks.iter().any(|&k| (seq_rho - k).abs() <= 20.0 * H * seq_rho)
+            && kinks
+                .iter()
+                .any(|&k| (seq_rho - k).abs() <= 20.0 * H * seq_rho)
         {
             skipped += len;
             continue;
