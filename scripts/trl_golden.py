@@ -195,23 +195,39 @@ def run_case(case):
                         "coefficients": grad[k, : lengths[i]].tolist(),
                     }
                 )
+    # The batch `hilore coefficients --input` takes at each update: every completion's
+    # log-probs under that update's policy, the sampling policy's from update 1 on.
+    G_ = G
+    batches = []
+    for u in sorted(case["logps"], key=int):
+        groups = []
+        for g in range(n // G_):
+            comps = []
+            for i in range(g * G_, (g + 1) * G_):
+                c = {"logps": case["logps"][u][i]}
+                if int(u) > 0:
+                    c["old_logps"] = case["old_logps"][i]
+                if case.get("ref_logps") is not None:
+                    c["ref_logps"] = case["ref_logps"][i]
+                if case["truncated"][i]:
+                    c["truncated"] = True
+                comps.append(c)
+            rw = [r[0] if len(r) == 1 else r for r in rewards[g * G_:(g + 1) * G_]]
+            groups.append({"rewards": rw, "completions": comps})
+        batches.append({"update": int(u), "groups": groups})
     return {
         "name": case["name"],
         "description": case["description"],
         "trl_version": trl.__version__,
         "torch_version": torch.__version__,
         "config": cfg,
-        "num_generations": G,
-        "lengths": lengths,
-        "truncated": case["truncated"],
-        "rewards": rewards,
-        "old_logps": case["old_logps"],
-        "ref_logps": case.get("ref_logps"),
-        "logps": case["logps"],
-        "advantages": advantages,
-        "num_items_in_batch": int(out["num_items_in_batch"]),
-        "trl_computed_old_logps": "old_per_token_logps" in out,
-        "coefficients": updates,
+        "batches": batches,
+        "trl": {
+            "advantages": advantages,
+            "num_items_in_batch": int(out["num_items_in_batch"]),
+            "computed_old_logps": "old_per_token_logps" in out,
+            "coefficients": updates,
+        },
     }
 
 
@@ -325,8 +341,8 @@ def main():
         with open(path, "w") as f:
             json.dump(res, f, indent=1)
             f.write("\n")
-        mx = max(abs(x) for u in res["coefficients"] for x in u["coefficients"])
-        print(f"{res['name']}: {len(res['coefficients'])} sequence-steps, max |c| {mx:.3e}")
+        mx = max(abs(x) for u in res["trl"]["coefficients"] for x in u["coefficients"])
+        print(f"{res['name']}: {len(res['trl']['coefficients'])} sequence-updates, max |c| {mx:.3e}")
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ mod bench;
 mod bench_tape;
 mod check;
 mod codecs;
+mod coefficients;
 mod common;
 mod compare;
 mod export;
@@ -81,6 +82,10 @@ enum Command {
     /// directory): for each `{"prompt": ..., "completion": ...}` line, the completion's
     /// token ids, tokens and log-probs given the prompt.
     Score(score::ScoreArgs),
+    /// A batch's GRPO advantages and per-token dL/dlogp under a TRL GRPOConfig (its own
+    /// keys and defaults), as JSON: to put HiLoRe's numbers beside another trainer's.
+    #[command(after_long_help = coefficients::AFTER_HELP)]
+    Coefficients(coefficients::CoefficientsArgs),
     /// Write a zoo model (or, with --config, a model with random weights) as a Hugging
     /// Face model directory (config.json, model.safetensors with the same tensor names,
     /// tokenizer.json), loadable by candle-transformers and transformers.
@@ -128,6 +133,7 @@ fn main() -> ExitCode {
         Command::Train(a) => train::run(*a),
         Command::Score(a) => score::run(a),
         Command::Export(a) => export::run(a),
+        Command::Coefficients(a) => coefficients::run(a),
     };
     match result {
         Ok(code) => code,

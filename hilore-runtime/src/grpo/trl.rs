@@ -241,7 +241,7 @@ pub struct TrlSettings {
     pub weight_decay: Option<f64>,
     pub seed: Option<u64>,
     pub max_steps: Option<i64>,
-    /// The TRL keys given that do not touch the GRPO math, in file order.
+    /// The TRL keys given that do not touch the GRPO math, in key order.
     pub ignored: Vec<String>,
     /// The keys given that HiLoRe reads (so a caller can tell a default from a choice).
     pub given: Vec<String>,
