@@ -108,10 +108,21 @@ fn command_line() -> clap::Command {
 }
 
 fn main() -> ExitCode {
-    let cli = match Cli::from_arg_matches(&command_line().get_matches()) {
+    let matches = command_line().get_matches();
+    let mut cli = match Cli::from_arg_matches(&matches) {
         Ok(cli) => cli,
         Err(e) => e.exit(),
     };
+    // The flags given on the command line, which `train --grpo-config` leaves alone.
+    if let (Command::Train(a), Some(("train", sub))) = (&mut cli.command, matches.subcommand()) {
+        a.explicit = sub
+            .ids()
+            .filter(|id| {
+                sub.value_source(id.as_str()) == Some(clap::parser::ValueSource::CommandLine)
+            })
+            .map(|id| id.to_string())
+            .collect();
+    }
     if let Err(e) = common::select_device(cli.device) {
         eprintln!("error: {e:#}");
         return ExitCode::from(2);

@@ -288,6 +288,8 @@ pub struct Decoder {
     norm: Var,
     lm_head: Option<Var>,
     logits_chunk_rows: usize,
+    /// The log-probs' softmax temperature: `log_softmax(logits / T)` (1 by default).
+    logit_temperature: f64,
 }
 
 /// How a parameter is initialized by [`Decoder::random`].
@@ -506,7 +508,27 @@ impl Decoder {
             norm,
             lm_head,
             logits_chunk_rows: (DEFAULT_LOGITS_CHUNK_ELEMS / cfg.vocab_size).max(1),
+            logit_temperature: 1.0,
         })
+    }
+
+    /// Computes [`Decoder::token_logprobs`] at softmax temperature `t`,
+    /// `log_softmax(logits / t)`: the distribution a sampler at temperature `t` draws
+    /// from, which a GRPO trainer that samples at `t` trains (TRL does). Errors unless
+    /// `t` is finite and > 0. [`Decoder::logits`] stays the raw logits.
+    pub fn set_logit_temperature(&mut self, t: f64) -> Result<()> {
+        if !(t.is_finite() && t > 0.0) {
+            return Err(Error::Tape(format!(
+                "the log-probs' temperature is {t}; it must be a number > 0 (1 is the model's own distribution)"
+            )));
+        }
+        self.logit_temperature = t;
+        Ok(())
+    }
+
+    /// The log-probs' softmax temperature ([`Decoder::set_logit_temperature`]).
+    pub fn logit_temperature(&self) -> f64 {
+        self.logit_temperature
     }
 
     /// Computes the LM head's logits `rows` tokens at a time (default: as many rows as
@@ -660,10 +682,14 @@ impl Decoder {
     /// Unit `head`: the final RMSNorm and the log-probs of `targets` under the LM head,
     /// chunked so the `[N, vocab]` logits never exist at once. Saves the last layer's
     /// output and the normed hidden state (`[N, hidden]` each), the targets and the
-    /// per-token log-sum-exp (exact, `[N]` each).
+    /// per-token log-sum-exp (exact, `[N]` each). At a logit temperature `T != 1` the
+    /// normed hidden state is scaled by `1 / T` first (`(h / T) W^T = logits / T`).
     #[recovery_unit(name = "head", cost = self.dims.head_cost(x.dim(0)?), deterministic)]
     pub fn head(&self, cx: &mut Cx, x: &Var, targets: &Var) -> Result<Var> {
-        let h = cx.rms_norm(x, &self.norm, self.dims.eps)?;
+        let mut h = cx.rms_norm(x, &self.norm, self.dims.eps)?;
+        if self.logit_temperature != 1.0 {
+            h = cx.scale(&h, 1.0 / self.logit_temperature)?;
+        }
         cx.token_logprobs(
             &h,
             self.head_weight(),

@@ -24,10 +24,12 @@
 //! Temperature `T` (0: greedy), nucleus top-p, a maximum number of new tokens and a stop
 //! token. Every random draw comes from one [`SplitMix64`] stream seeded by
 //! [`SamplingConfig::seed`], consumed row by row in prompt order, so a seed fixes the
-//! output bit for bit. The recorded log-prob of each sampled token is that of the model's
-//! own distribution (temperature 1, no top-p): the quantity the training forward computes
-//! ([`Decoder::token_logprobs`]) and GRPO's ratios are taken against; it differs from the
-//! sampling distribution when `T != 1` or `top_p < 1`.
+//! output bit for bit. The recorded log-prob of each sampled token is that of the
+//! tempered distribution, `log_softmax(logits / T)` (temperature 1 when greedy), before
+//! top-p: the quantity a training forward at the same temperature computes
+//! ([`Decoder::token_logprobs`] after [`Decoder::set_logit_temperature`], as TRL trains
+//! on `logits / T`) and GRPO's ratios are taken against; it differs from the sampling
+//! distribution when `top_p < 1`.
 //!
 //! ```
 //! use candle_core::Device;
@@ -117,7 +119,7 @@ pub enum Finish {
 pub struct Generation {
     /// The sampled tokens (the stop token included when sampled).
     pub tokens: Vec<u32>,
-    /// The log-prob of each sampled token under the model at temperature 1.
+    /// The log-prob of each sampled token at the sampling temperature (1 when greedy).
     pub logprobs: Vec<f32>,
     /// Why generation ended.
     pub finish: Finish,
@@ -444,13 +446,19 @@ pub fn last_token_logits(model: &Decoder, seqs: &[Vec<u32>]) -> Result<Tensor, M
     logits_of(model, &norm, &mut cx, &rows)
 }
 
-/// Samples one token from a row of logits; returns it with its log-prob at temperature 1.
+/// Samples one token from a row of logits; returns it with its log-prob at the sampling
+/// temperature, `log_softmax(logits / T)` (at temperature 1 when greedy), before top-p.
 pub fn sample_token(logits: &[f32], cfg: &SamplingConfig, rng: &mut SplitMix64) -> (u32, f32) {
     let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
-    let lse = max
+    let t = if cfg.temperature > 0.0 {
+        cfg.temperature
+    } else {
+        1.0
+    };
+    let lse = max / t
         + logits
             .iter()
-            .map(|&z| (z as f64 - max).exp())
+            .map(|&z| ((z as f64 - max) / t).exp())
             .sum::<f64>()
             .ln();
     let tok = if cfg.temperature == 0.0 {
@@ -494,7 +502,7 @@ pub fn sample_token(logits: &[f32], cfg: &SamplingConfig, rng: &mut SplitMix64) 
         }
         pick
     };
-    (tok as u32, (logits[tok] as f64 - lse) as f32)
+    (tok as u32, (logits[tok] as f64 / t - lse) as f32)
 }
 
 /// Samples a response to every prompt (see the module docs); `out[i]` answers

@@ -146,7 +146,9 @@ fn kv_cache_logits_equal_full_recompute() {
 
 #[test]
 fn recorded_logprobs_equal_the_training_forward() {
-    let m = model(false, 5);
+    // The training forward at the sampling temperature (1 when greedy), as a GRPO trainer
+    // that samples at T trains on logits / T.
+    let mut m = model(false, 5);
     let cfg = m.config().clone();
     let prompts: Vec<Vec<u32>> = vec![
         vec![3, 4],
@@ -163,6 +165,8 @@ fn recorded_logprobs_equal_the_training_forward() {
             seed: 11,
         };
         let gens = generate(&m, &prompts, &s).unwrap();
+        m.set_logit_temperature(if temperature > 0.0 { temperature } else { 1.0 })
+            .unwrap();
         let seqs: Vec<Vec<u32>> = prompts
             .iter()
             .zip(&gens)

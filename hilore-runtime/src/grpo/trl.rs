@@ -241,6 +241,10 @@ pub struct TrlSettings {
     pub weight_decay: Option<f64>,
     pub seed: Option<u64>,
     pub max_steps: Option<i64>,
+    /// `adam_beta1`, `adam_beta2`, `adam_epsilon`, when given.
+    pub adam_beta1: Option<f64>,
+    pub adam_beta2: Option<f64>,
+    pub adam_epsilon: Option<f64>,
     /// The TRL keys given that do not touch the GRPO math, in key order.
     pub ignored: Vec<String>,
     /// The keys given that HiLoRe reads (so a caller can tell a default from a choice).
@@ -265,6 +269,9 @@ impl Default for TrlSettings {
             weight_decay: None,
             seed: None,
             max_steps: None,
+            adam_beta1: None,
+            adam_beta2: None,
+            adam_epsilon: None,
             ignored: Vec::new(),
             given: Vec::new(),
         }
@@ -299,6 +306,9 @@ const READ: &[&str] = &[
     "weight_decay",
     "seed",
     "max_steps",
+    "adam_beta1",
+    "adam_beta2",
+    "adam_epsilon",
 ];
 
 /// Keys that change the loss or the sampling in ways HiLoRe does not compute, with the
@@ -506,6 +516,9 @@ impl TrlSettings {
                     }
                 }
                 "learning_rate" => s.learning_rate = Some(f64_of(key, v)?),
+                "adam_beta1" => s.adam_beta1 = Some(f64_of(key, v)?),
+                "adam_beta2" => s.adam_beta2 = Some(f64_of(key, v)?),
+                "adam_epsilon" => s.adam_epsilon = Some(f64_of(key, v)?),
                 "max_grad_norm" => s.max_grad_norm = Some(f64_of(key, v)?),
                 "weight_decay" => s.weight_decay = Some(f64_of(key, v)?),
                 "seed" => {

@@ -73,6 +73,10 @@ impl Arithmetic {
             ex.answer.parse::<i64>(),
         ) {
             (true, Ok(got), Ok(want)) if got == want => Reward::CORRECT,
+            (true, _, _) => Reward {
+                well_formed: true,
+                ..Reward::ZERO
+            },
             _ => Reward::ZERO,
         }
     }

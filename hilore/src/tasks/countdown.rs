@@ -260,6 +260,7 @@ impl Countdown {
         let format_only = Reward {
             value: FORMAT_REWARD,
             correct: false,
+            well_formed: true,
         };
         let Some((nums, target)) = ex.answer.split_once('>') else {
             return format_only;

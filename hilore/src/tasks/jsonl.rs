@@ -182,7 +182,11 @@ impl Jsonl {
     pub fn reward(&self, ex: &Example, response: &str) -> Reward {
         match final_answer(response) {
             Some(got) if same_number(&got, &ex.answer) => Reward::CORRECT,
-            _ => Reward::ZERO,
+            Some(_) => Reward {
+                well_formed: true,
+                ..Reward::ZERO
+            },
+            None => Reward::ZERO,
         }
     }
 
@@ -249,7 +253,11 @@ mod tests {
             "#### 27",
             "72 no 71",
         ] {
-            assert_eq!(ds.reward(&ex, bad), Reward::ZERO, "{bad:?}");
+            let r = ds.reward(&ex, bad);
+            assert_eq!((r.value, r.correct), (0.0, false), "{bad:?}");
+            // A final number, wrong, is well formed; none is not.
+            let has_number = bad.chars().any(|c| c.is_ascii_digit());
+            assert_eq!(r.well_formed, has_number, "{bad:?}");
         }
         for good in ["#### 72", "it is 72", "72.0", "#### 72 apples"] {
             assert_eq!(ds.reward(&ex, good), Reward::CORRECT, "{good:?}");

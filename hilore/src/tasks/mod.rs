@@ -36,23 +36,45 @@ pub struct Example {
 /// What a response earned.
 #[derive(Debug, Clone, Copy, PartialEq, serde::Serialize)]
 pub struct Reward {
-    /// The scalar reward.
+    /// The scalar reward: the task's default [`Task::reward_weights`] applied to its
+    /// [`Reward::functions`].
     pub value: f32,
     /// Whether the response is fully correct (counts towards accuracy).
     pub correct: bool,
+    /// Whether the response has the answer's form (an integer, an equation, a final
+    /// number), right or wrong.
+    pub well_formed: bool,
 }
+
+/// The reward functions every task scores, in order (TRL's `reward_funcs`, weighted by
+/// `reward_weights` and summed).
+pub const REWARD_FUNCTIONS: [&str; 2] = ["correct", "format"];
 
 impl Reward {
     /// Full marks.
     pub const CORRECT: Reward = Reward {
         value: 1.0,
         correct: true,
+        well_formed: true,
     };
     /// Nothing.
     pub const ZERO: Reward = Reward {
         value: 0.0,
         correct: false,
+        well_formed: false,
     };
+
+    /// The values of the [`REWARD_FUNCTIONS`]: 1 or 0 each.
+    pub fn functions(&self) -> [f32; 2] {
+        [self.correct as u8 as f32, self.well_formed as u8 as f32]
+    }
+
+    /// The weighted sum of the functions, in float32 in order (as TRL's
+    /// `(rewards_per_func * reward_weights).nansum(dim=1)`).
+    pub fn weighted(&self, weights: [f32; 2]) -> f32 {
+        let f = self.functions();
+        f[0] * weights[0] + f[1] * weights[1]
+    }
 }
 
 /// How to build a task from the command line.
@@ -172,6 +194,16 @@ impl Task {
     /// held-out set.
     pub fn is_procedural(&self) -> bool {
         !matches!(self, Task::Jsonl(_))
+    }
+
+    /// The task's weights of the [`REWARD_FUNCTIONS`], which give [`Reward::value`]:
+    /// correctness alone for arithmetic and JSONL, correctness 0.9 and format 0.1 for
+    /// Countdown (its 1 / 0.1 / 0 levels).
+    pub fn reward_weights(&self) -> [f32; 2] {
+        match self {
+            Task::Countdown(_) => [1.0 - countdown::FORMAT_REWARD, countdown::FORMAT_REWARD],
+            Task::Arithmetic(_) | Task::Jsonl(_) => [1.0, 0.0],
+        }
     }
 
     /// The reward of `response` (decoded text, EOS excluded) to `ex`.

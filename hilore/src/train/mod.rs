@@ -138,15 +138,65 @@ pub struct TrainArgs {
     /// Prompts per step (P).
     #[arg(long, default_value_t = 32, help_heading = "GRPO")]
     prompts: usize,
-    /// Responses per prompt (G).
-    #[arg(long, default_value_t = 8, help_heading = "GRPO")]
+    /// Responses per prompt (G; TRL's `num_generations`, default 8 there too).
+    #[arg(
+        long,
+        alias = "num-generations",
+        default_value_t = 8,
+        help_heading = "GRPO"
+    )]
     group_size: usize,
-    #[arg(long, default_value_t = 2e-4, help_heading = "GRPO")]
+    /// AdamW's learning rate (TRL's `learning_rate`; TRL's default 1e-6 is for
+    /// pretrained LLMs, 2e-4 suits the small policies trained from scratch here).
+    #[arg(
+        long,
+        alias = "learning-rate",
+        default_value_t = 2e-4,
+        help_heading = "GRPO"
+    )]
     lr: f64,
-    /// Update epochs per rollout batch (mu); with 1 and --beta 0 the coefficients are
-    /// known before the forward.
-    #[arg(long, default_value_t = 1, help_heading = "GRPO")]
+    /// AdamW's first-moment decay (TRL's `adam_beta1`).
+    #[arg(long, default_value_t = 0.9, help_heading = "GRPO")]
+    adam_beta1: f64,
+    /// AdamW's second-moment decay (TRL's `adam_beta2`; its default 0.999 averages over
+    /// about 1000 steps, longer than the runs here, so 0.99).
+    #[arg(long, default_value_t = 0.99, help_heading = "GRPO")]
+    adam_beta2: f64,
+    /// AdamW's epsilon (TRL's `adam_epsilon`).
+    #[arg(long, default_value_t = 1e-8, help_heading = "GRPO")]
+    adam_epsilon: f64,
+    /// Update epochs per rollout batch (mu; TRL's `num_iterations`); with 1 and --beta 0
+    /// the first optimizer step's coefficients are known before the forward.
+    #[arg(
+        long,
+        alias = "num-iterations",
+        default_value_t = 1,
+        help_heading = "GRPO"
+    )]
     epochs: usize,
+    /// Loss microbatches per optimizer step (TRL's `gradient_accumulation_steps`). With
+    /// --steps-per-generation it cuts the rollout's prompts x group sequences as TRL
+    /// cuts its generation batch: steps-per-generation microbatches of equal size,
+    /// steps-per-generation / gradient-accumulation-steps optimizer steps per rollout
+    /// and epoch. Only the loss's weights (bnpo, dr_grpo, grpo) and the number of
+    /// optimizer steps depend on it; memory microbatches are packed by --token-budget.
+    #[arg(long, default_value_t = 1, help_heading = "GRPO")]
+    gradient_accumulation_steps: usize,
+    /// Loss microbatches per rollout (TRL's `steps_per_generation`; default:
+    /// --gradient-accumulation-steps, one optimizer step per rollout and epoch, as TRL).
+    #[arg(long, help_heading = "GRPO")]
+    steps_per_generation: Option<usize>,
+    /// Weights of the task's reward functions `correct,format` (TRL's `reward_weights`,
+    /// summed as its `sum_then_normalize`); default: the task's own, 1,0 (arithmetic,
+    /// JSONL) or 0.9,0.1 (Countdown).
+    #[arg(long, value_name = "W_CORRECT,W_FORMAT", help_heading = "GRPO")]
+    reward_weights: Option<String>,
+    /// A TRL GRPOConfig file (YAML or JSON, as `trl grpo --config` takes): its keys set
+    /// the GRPO flags they name (loss_type, beta, epsilon, num_generations,
+    /// per_device_train_batch_size x steps_per_generation = prompts x group, ...), flags
+    /// given on the command line win; see `hilore coefficients --help` for the keys read.
+    #[arg(long, value_name = "FILE", help_heading = "GRPO")]
+    grpo_config: Option<PathBuf>,
     /// Lower clip range (TRL's `epsilon`): the ratio is clamped at 1 - epsilon.
     #[arg(long, alias = "eps-low", default_value_t = 0.2, help_heading = "GRPO")]
     epsilon: f32,
@@ -209,8 +259,11 @@ pub struct TrainArgs {
     /// SAPO's gate temperature elsewhere (TRL's `sapo_temperature_neg`).
     #[arg(long, default_value_t = 1.05, help_heading = "GRPO")]
     sapo_temperature_neg: f32,
+    /// Sampling temperature (TRL's `temperature`); the actor update's log-probs are
+    /// taken at it too, `log_softmax(logits / T)`, as TRL trains on logits / T.
     #[arg(long, default_value_t = 1.0, help_heading = "GRPO")]
     temperature: f64,
+    /// Nucleus sampling (TRL's `top_p`).
     #[arg(long, default_value_t = 1.0, help_heading = "GRPO")]
     top_p: f64,
     /// Most new tokens per response (default: the task's longest solution + EOS).
@@ -284,6 +337,9 @@ pub struct TrainArgs {
     /// No progress bars.
     #[arg(long, help_heading = "Run")]
     no_progress: bool,
+    /// The flags given on the command line (clap ids), which a --grpo-config leaves alone.
+    #[arg(skip)]
+    pub explicit: Vec<String>,
 }
 
 impl TrainArgs {
@@ -322,6 +378,15 @@ struct RunSettings {
     prompts: usize,
     group_size: usize,
     grpo: GrpoConfig,
+    /// TRL's `gradient_accumulation_steps` and `steps_per_generation` (1 and 1, absent,
+    /// in checkpoints written before they existed).
+    #[serde(default = "one", skip_serializing_if = "is_one")]
+    gradient_accumulation_steps: usize,
+    #[serde(default = "one", skip_serializing_if = "is_one")]
+    steps_per_generation: usize,
+    /// `--reward-weights` (absent: the task's own).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    reward_weights: Option<[f32; 2]>,
     adamw: AdamWConfig,
     temperature: f64,
     top_p: f64,
@@ -337,6 +402,14 @@ struct RunSettings {
 
 fn is_false(b: &bool) -> bool {
     !*b
+}
+
+fn one() -> usize {
+    1
+}
+
+fn is_one(n: &usize) -> bool {
+    *n == 1
 }
 
 /// The training state a checkpoint carries besides tensors.
@@ -416,6 +489,8 @@ struct StepMetrics {
     exposure_total: f64,
     exposure_max_microbatch: f64,
     zero_exposure_sequences: usize,
+    /// Optimizer steps of this GRPO step (epochs x steps per rollout).
+    optimizer_steps: usize,
     skipped_sequences: usize,
     skipped_tokens: usize,
     empty_sequences: usize,
@@ -477,6 +552,8 @@ struct Summary {
     /// Unit instances per GRPO step (mean over the run's steps, every process's) that
     /// were stored, compressed and recomputed.
     instances_per_step: InstanceMeans,
+    /// Everything that fixed the run's trajectory (flags and a --grpo-config resolved).
+    settings: RunSettings,
 }
 
 /// Mean unit instances per step by fidelity.
@@ -618,6 +695,57 @@ impl RunSettings {
             a.sapo_temperature_neg,
         ));
         grpo.validate().context("GRPO settings")?;
+        let steps_per_generation = a
+            .steps_per_generation
+            .unwrap_or(a.gradient_accumulation_steps);
+        grpo::StepLayout::new(
+            a.prompts * a.group_size,
+            a.gradient_accumulation_steps,
+            steps_per_generation,
+        )
+        .context(
+            "--prompts x --group-size, --gradient-accumulation-steps and --steps-per-generation",
+        )?;
+        for (flag, v, range, hint) in [
+            (
+                "--adam-beta1",
+                a.adam_beta1,
+                Range::Fraction,
+                "0.9 is usual",
+            ),
+            (
+                "--adam-beta2",
+                a.adam_beta2,
+                Range::Fraction,
+                "0.99 or 0.999",
+            ),
+            (
+                "--adam-epsilon",
+                a.adam_epsilon,
+                Range::Positive,
+                "1e-8 is usual",
+            ),
+        ] {
+            check_flag(flag, v, range, hint)?;
+        }
+        let reward_weights = match &a.reward_weights {
+            None => None,
+            Some(text) => {
+                let w: Vec<f32> = text
+                    .split(',')
+                    .map(|x| x.trim().parse::<f32>())
+                    .collect::<Result<_, _>>()
+                    .ok()
+                    .filter(|w: &Vec<f32>| w.len() == 2 && w.iter().all(|x| x.is_finite()))
+                    .with_context(|| {
+                        format!(
+                            "--reward-weights `{text}`: give two numbers, the weights of the reward functions {}, e.g. 1,0.1",
+                            crate::tasks::REWARD_FUNCTIONS.join(" and ")
+                        )
+                    })?;
+                Some([w[0], w[1]])
+            }
+        };
         let model = match (&a.config, zoo, tokenizer) {
             (Some(_), Some(_), _) => bail!(
                 "--config and --model both give the model; --model DIR uses DIR/config.json, so drop --config"
@@ -701,11 +829,14 @@ impl RunSettings {
             prompts: a.prompts,
             group_size: a.group_size,
             grpo,
+            gradient_accumulation_steps: a.gradient_accumulation_steps,
+            steps_per_generation,
+            reward_weights,
             adamw: AdamWConfig {
                 lr: a.lr,
-                beta1: 0.9,
-                beta2: 0.99,
-                eps: 1e-8,
+                beta1: a.adam_beta1,
+                beta2: a.adam_beta2,
+                eps: a.adam_epsilon,
                 weight_decay: a.weight_decay,
                 max_grad_norm: a.max_grad_norm,
             },
@@ -1057,8 +1188,20 @@ fn earlier_outputs(args: &TrainArgs) -> Vec<String> {
     found
 }
 
-pub fn run(args: TrainArgs) -> anyhow::Result<ExitCode> {
+pub fn run(mut args: TrainArgs) -> anyhow::Result<ExitCode> {
     let t_start = Instant::now();
+    if let Some(p) = args.grpo_config.clone() {
+        let trl = crate::coefficients::read_trl_config(&p)?;
+        let set = apply_trl_config(&mut args, &trl)
+            .with_context(|| format!("--grpo-config {}", p.display()))?;
+        if !set.is_empty() {
+            eprintln!(
+                "note: --grpo-config {} sets {}",
+                p.display(),
+                set.join(", ")
+            );
+        }
+    }
     // Outputs that could never be written are refused before any work.
     for (flag, p) in [
         ("--checkpoint", Some(&args.checkpoint)),
@@ -1315,7 +1458,25 @@ pub fn run(args: TrainArgs) -> anyhow::Result<ExitCode> {
         0.0
     };
 
+    // The actor update's log-probs at the sampling temperature (greedy sampling: the
+    // model's own distribution), as TRL trains on logits / T; the warm start before this
+    // trained at 1.
+    let logit_t = if settings.temperature > 0.0 {
+        settings.temperature
+    } else {
+        1.0
+    };
+    run.model.set_logit_temperature(logit_t)?;
+    run.reference.set_logit_temperature(logit_t)?;
+    let reward_weights = settings
+        .reward_weights
+        .unwrap_or_else(|| task.reward_weights());
     let upd = UpdateSettings {
+        layout: grpo::StepLayout::new(
+            settings.prompts * settings.group_size,
+            settings.gradient_accumulation_steps,
+            settings.steps_per_generation,
+        )?,
         grpo: settings.grpo,
         token_budget: settings.token_budget,
         plan: plan.clone(),
@@ -1361,6 +1522,7 @@ pub fn run(args: TrainArgs) -> anyhow::Result<ExitCode> {
             examples,
             settings.group_size,
             &sampling,
+            reward_weights,
         )?;
         let adv = grpo::advantages(
             &ro.rewards,
@@ -1386,7 +1548,7 @@ pub fn run(args: TrainArgs) -> anyhow::Result<ExitCode> {
             response_len_mean: ro.response_len_mean(),
             kl: rep.stats.kl_mean(),
             clip_fraction: rep.stats.clip_fraction(),
-            loss: rep.stats.loss / settings.grpo.epochs as f64,
+            loss: rep.stats.loss / rep.optimizer_steps.max(1) as f64,
             grad_norm: rep.grad_norm,
             exposure_total: rep.exposure_total,
             exposure_max_microbatch: rep.exposure_max_microbatch,
@@ -1395,6 +1557,7 @@ pub fn run(args: TrainArgs) -> anyhow::Result<ExitCode> {
             skipped_tokens: rep.skipped_tokens,
             empty_sequences: rep.empty_sequences,
             microbatches: rep.microbatches,
+            optimizer_steps: rep.optimizer_steps,
             update_tokens: rep.update_tokens,
             rollout_tokens: ro.generated_tokens(),
             peak_activation_bytes: rep.peak_activation_bytes,
@@ -1553,6 +1716,7 @@ pub fn run(args: TrainArgs) -> anyhow::Result<ExitCode> {
             compress: per_step(totals.instances_compress as f64),
             recompute: per_step(totals.instances_recompute as f64),
         },
+        settings: settings.clone(),
     };
     println!(
         "done: {} steps in {:.1}s; rollout {:.0} tok/s, update {:.0} tok/s, peak activations {}, optimizer state {}",
@@ -1637,4 +1801,173 @@ fn sapo_temperatures(t: LossType, pos: f32, neg: f32) -> LossType {
         },
         _ => t,
     }
+}
+
+/// Sets the flags a TRL config's keys name, except those given on the command line;
+/// returns the flags set. The rollout's prompts follow TRL's generation batch,
+/// `per_device_train_batch_size x steps_per_generation` sequences (or
+/// `generation_batch_size`), when the file gives either.
+fn apply_trl_config(
+    a: &mut TrainArgs,
+    s: &hilore_runtime::grpo::trl::TrlSettings,
+) -> anyhow::Result<Vec<String>> {
+    let explicit = a.explicit.clone();
+    let mut set = Vec::new();
+    let given = |k: &str| s.given.iter().any(|g| g == k);
+    let mut take = |key: &str, id: &str| -> bool {
+        let yes = given(key) && !explicit.iter().any(|e| e == id);
+        if yes {
+            set.push(format!("--{}", id.replace('_', "-")));
+        }
+        yes
+    };
+    let g = &s.grpo;
+    if take("loss_type", "loss_type") {
+        a.loss_type = g.loss_type().to_string();
+    }
+    if take("scale_rewards", "scale_rewards") {
+        a.scale_rewards = g.advantage_norm.to_string();
+    }
+    if take("epsilon", "epsilon") {
+        a.epsilon = g.eps_low;
+    }
+    if take("epsilon_high", "epsilon_high") {
+        a.epsilon_high = Some(g.eps_high);
+    }
+    if take("delta", "delta") {
+        a.delta = g.delta;
+    }
+    if take("beta", "beta") {
+        a.beta = g.beta;
+    }
+    if take("use_bias_correction_kl", "use_bias_correction_kl") {
+        a.use_bias_correction_kl = g.kl_bias_correction;
+    }
+    if take("importance_sampling_level", "importance_sampling_level") {
+        a.importance_sampling_level = g.importance_sampling.to_string();
+    }
+    if take("mask_truncated_completions", "mask_truncated_completions") {
+        a.mask_truncated_completions = g.mask_truncated_completions;
+    }
+    if take("num_iterations", "epochs") {
+        a.epochs = g.epochs;
+    }
+    if let grpo::Surrogate::Sapo {
+        temperature_pos,
+        temperature_neg,
+    } = g.surrogate
+    {
+        if take("sapo_temperature_pos", "sapo_temperature_pos") {
+            a.sapo_temperature_pos = temperature_pos;
+        }
+        if take("sapo_temperature_neg", "sapo_temperature_neg") {
+            a.sapo_temperature_neg = temperature_neg;
+        }
+    }
+    if take("num_generations", "group_size") {
+        a.group_size = s.num_generations;
+    }
+    if take("max_completion_length", "max_new_tokens") {
+        a.max_new_tokens = Some(s.max_completion_length);
+    }
+    if take("temperature", "temperature") {
+        a.temperature = s.temperature;
+    }
+    if take("top_p", "top_p") {
+        a.top_p = s.top_p;
+    }
+    if take("reward_weights", "reward_weights") {
+        if let Some(w) = &s.reward_weights {
+            if w.len() != 2 {
+                bail!(
+                    "reward_weights has {} entries; the tasks score two reward functions, `correct` and `format`",
+                    w.len()
+                );
+            }
+            a.reward_weights = Some(format!("{},{}", w[0], w[1]));
+        }
+    }
+    if take("gradient_accumulation_steps", "gradient_accumulation_steps") {
+        a.gradient_accumulation_steps = s.gradient_accumulation_steps;
+    }
+    let batch = s.per_device_train_batch_size;
+    if given("steps_per_generation") || given("generation_batch_size") {
+        let spg = match (s.steps_per_generation, s.generation_batch_size) {
+            (Some(spg), _) => spg,
+            (None, Some(gbs)) => {
+                let b = batch.unwrap_or(8);
+                if gbs % b != 0 {
+                    bail!(
+                        "generation_batch_size ({gbs}) must be a multiple of per_device_train_batch_size ({b})"
+                    );
+                }
+                gbs / b
+            }
+            (None, None) => a.gradient_accumulation_steps,
+        };
+        if take("steps_per_generation", "steps_per_generation")
+            || take("generation_batch_size", "steps_per_generation")
+        {
+            a.steps_per_generation = Some(spg);
+        }
+    }
+    if batch.is_some() || s.generation_batch_size.is_some() {
+        let spg = a
+            .steps_per_generation
+            .unwrap_or(a.gradient_accumulation_steps);
+        let sequences = s.generation_batch_size.unwrap_or(batch.unwrap_or(8) * spg);
+        if explicit.iter().any(|e| e == "prompts") {
+            if a.prompts * a.group_size != sequences {
+                bail!(
+                    "--prompts {} x --group-size {} is {} sequences, but the file's generation batch (per_device_train_batch_size x steps_per_generation, or generation_batch_size) is {sequences}; drop --prompts or make them agree",
+                    a.prompts,
+                    a.group_size,
+                    a.prompts * a.group_size
+                );
+            }
+        } else {
+            if sequences % a.group_size != 0 {
+                bail!(
+                    "the generation batch of {sequences} sequences (per_device_train_batch_size x steps_per_generation) is not a whole number of groups of num_generations = {}",
+                    a.group_size
+                );
+            }
+            a.prompts = sequences / a.group_size;
+            set.push("--prompts".into());
+        }
+    }
+    let mut take = |key: &str, id: &str| -> bool {
+        let yes = given(key) && !explicit.iter().any(|e| e == id);
+        if yes {
+            set.push(format!("--{}", id.replace('_', "-")));
+        }
+        yes
+    };
+    if let (true, Some(v)) = (take("learning_rate", "lr"), s.learning_rate) {
+        a.lr = v;
+    }
+    if let (true, Some(v)) = (take("max_grad_norm", "max_grad_norm"), s.max_grad_norm) {
+        a.max_grad_norm = v;
+    }
+    if let (true, Some(v)) = (take("weight_decay", "weight_decay"), s.weight_decay) {
+        a.weight_decay = v;
+    }
+    if let (true, Some(v)) = (take("adam_beta1", "adam_beta1"), s.adam_beta1) {
+        a.adam_beta1 = v;
+    }
+    if let (true, Some(v)) = (take("adam_beta2", "adam_beta2"), s.adam_beta2) {
+        a.adam_beta2 = v;
+    }
+    if let (true, Some(v)) = (take("adam_epsilon", "adam_epsilon"), s.adam_epsilon) {
+        a.adam_epsilon = v;
+    }
+    if let (true, Some(v)) = (take("seed", "seed"), s.seed) {
+        a.seed = v;
+    }
+    if let Some(m) = s.max_steps.filter(|&m| m > 0) {
+        if take("max_steps", "steps") {
+            a.steps = m as usize;
+        }
+    }
+    Ok(set)
 }

@@ -72,6 +72,7 @@ pub fn rollout(
     examples: Vec<Example>,
     group_size: usize,
     sampling: &SamplingConfig,
+    reward_weights: [f32; 2],
 ) -> anyhow::Result<Rollout> {
     let t0 = Instant::now();
     let mut prompts = Vec::with_capacity(examples.len() * group_size);
@@ -110,7 +111,7 @@ pub fn rollout(
         r.seqs.push(s);
         r.sampled_logp.push(g.logprobs);
         r.texts.push(text);
-        r.rewards.push(reward.value);
+        r.rewards.push(reward.weighted(reward_weights));
         r.truncated.push(g.finish == Finish::Length);
         r.correct.push(reward.correct);
     }

@@ -10,8 +10,8 @@ use hilore_runtime::allocator::{
     MicrobatchInput, MicrobatchShape, OnlineAllocator, PassResult, Workload,
 };
 use hilore_runtime::grpo::{
-    aggregation_weights_masked, known_before_forward, pack_by_token_budget, CoefficientStats,
-    Coefficients, GrpoConfig, Sequences, TokenLogprobs,
+    aggregation_weights_layout, known_before_forward, pack_by_token_budget, CoefficientStats,
+    Coefficients, GrpoConfig, Sequences, StepLayout, TokenLogprobs,
 };
 use hilore_runtime::{Cx, Grads, Plan};
 use std::cell::RefCell;
@@ -27,6 +27,10 @@ const PAD_QUANTUM: usize = 128;
 #[derive(Debug, Clone)]
 pub struct UpdateSettings {
     pub grpo: GrpoConfig,
+    /// How the rollout's sequences make loss microbatches and optimizer steps (TRL's
+    /// `gradient_accumulation_steps`, `steps_per_generation`): each epoch runs
+    /// `layout.steps()` optimizer steps over consecutive slices of the rollout.
+    pub layout: StepLayout,
     /// Most rows (tokens) a microbatch's forward may hold.
     pub token_budget: usize,
     /// The fidelity plan every microbatch runs under.
@@ -45,8 +49,10 @@ pub struct UpdateSettings {
 pub struct UpdateReport {
     /// Coefficient statistics over every epoch's tokens.
     pub stats: CoefficientStats,
-    /// Gradient norm of the last epoch's step (before clipping).
+    /// Gradient norm of the last optimizer step (before clipping).
     pub grad_norm: f64,
+    /// Optimizer steps taken (epochs x steps per rollout).
+    pub optimizer_steps: usize,
     /// Rows through forward and backward, all epochs.
     pub update_tokens: usize,
     /// Sequences (and their rows) not run because their exposure is zero.
@@ -56,7 +62,7 @@ pub struct UpdateReport {
     pub zero_exposure_sequences: usize,
     /// Sequences with no response token (nothing to train).
     pub empty_sequences: usize,
-    /// Microbatches per epoch.
+    /// Memory microbatches per epoch (over all its optimizer steps).
     pub microbatches: usize,
     /// Highest activation bytes the tape held in any microbatch.
     pub peak_activation_bytes: usize,
@@ -250,12 +256,14 @@ fn select_and_pack(
     r: &Rollout,
     advantages: &[f32],
     s: &UpdateSettings,
+    sequences: std::ops::Range<usize>,
     rep: &mut UpdateReport,
 ) -> anyhow::Result<Vec<Vec<usize>>> {
     // With beta = 0 the coefficient is proportional to the advantage in every epoch.
     let beta0 = s.grpo.beta == 0.0;
-    let mut members = Vec::with_capacity(r.seqs.len());
-    for (i, (&len, &a)) in r.response_lens.iter().zip(advantages).enumerate() {
+    let mut members = Vec::with_capacity(sequences.len());
+    for i in sequences {
+        let (len, a) = (r.response_lens[i], advantages[i]);
         let zero_exposure = len == 0 || (beta0 && a == 0.0);
         rep.zero_exposure_sequences += zero_exposure as usize;
         if len == 0 {
@@ -283,7 +291,10 @@ struct EpochMemory {
     reference: Vec<Vec<f32>>,
 }
 
-/// One epoch's forwards and backwards over `packs`: the accumulated gradients.
+/// One optimizer step's forwards and backwards over `packs`: the accumulated gradients.
+/// `update` counts the optimizer steps since the rollout (epoch x steps per rollout +
+/// step); `first_visit` is true in the first epoch, when these sequences' reference
+/// log-probs (and, for the rollout's first step, their old log-probs) are recorded.
 #[allow(clippy::too_many_arguments)]
 fn epoch_grads(
     m: &Decoder,
@@ -292,7 +303,8 @@ fn epoch_grads(
     advantages: &[f32],
     weights: &[f32],
     packs: &[Vec<usize>],
-    epoch: usize,
+    update: usize,
+    first_visit: bool,
     s: &UpdateSettings,
     mem: &mut EpochMemory,
     rep: &mut UpdateReport,
@@ -301,7 +313,7 @@ fn epoch_grads(
     let mut grads = Grads::new();
     // HiLoRe: with the coefficients known before the forward, plan the whole step.
     let planned = match &s.allocator {
-        Some(alloc) if known_before_forward(&cfg, epoch) => {
+        Some(alloc) if known_before_forward(&cfg, update) => {
             let mut micros = Vec::with_capacity(packs.len());
             for pack in packs {
                 let micro = Micro::padded(m, &r.seqs, &r.prompt_lens, pack, PAD_QUANTUM)?;
@@ -346,9 +358,9 @@ fn epoch_grads(
             advantages: &adv,
             weights: &w,
         };
-        // Before the forward: the coefficients when they are already known (first
-        // epoch, no KL), hence the microbatch's exposure.
-        let pre = if known_before_forward(&cfg, epoch) {
+        // Before the forward: the coefficients when they are already known (the first
+        // optimizer step since the rollout, no KL), hence the microbatch's exposure.
+        let pre = if known_before_forward(&cfg, update) {
             Some(Coefficients::before_forward(&cfg, seqs)?)
         } else {
             None
@@ -375,7 +387,8 @@ fn epoch_grads(
             }
             at += l;
         }
-        if epoch == 0 {
+        if update == 0 {
+            // The policy that sampled: its log-probs are the old ones of later steps.
             let mut k = 0;
             for &i in pack {
                 let l = r.response_lens[i];
@@ -387,6 +400,8 @@ fn epoch_grads(
                 }
                 k += l;
             }
+        }
+        if first_visit {
             if let Some(rm) = reference {
                 let tr = Instant::now();
                 let mut rcx = Cx::inference();
@@ -416,13 +431,13 @@ fn epoch_grads(
             seqs,
             TokenLogprobs {
                 logp: &cur,
-                old: (epoch > 0).then_some(old.as_slice()),
+                old: (update > 0).then_some(old.as_slice()),
                 reference: reference.map(|_| refl.as_slice()),
             },
         )?;
         rep.stats.merge(&post.stats);
         let coeffs = pre.unwrap_or(post);
-        if epoch == 0 {
+        if first_visit {
             let e = coeffs.exposure();
             rep.exposure_total += e;
             rep.exposure_max_microbatch = rep.exposure_max_microbatch.max(e);
@@ -461,32 +476,83 @@ pub fn actor_update(
     s: &UpdateSettings,
 ) -> anyhow::Result<UpdateReport> {
     let n = r.seqs.len();
-    let weights = aggregation_weights_masked(
+    let layout = s.layout;
+    if layout.batch_size * layout.steps_per_generation != n {
+        anyhow::bail!(
+            "the rollout has {n} sequences but the step layout expects {} ({} loss microbatches of {})",
+            layout.batch_size * layout.steps_per_generation,
+            layout.steps_per_generation,
+            layout.batch_size
+        );
+    }
+    let weights = aggregation_weights_layout(
         &r.response_lens,
         s.grpo
             .mask_truncated_completions
             .then_some(r.truncated.as_slice()),
         s.grpo.aggregation,
+        layout,
     );
     let mut rep = UpdateReport::default();
-    let packs = select_and_pack(r, advantages, s, &mut rep)?;
-    rep.microbatches = packs.len();
+    let per_step = layout.sequences_per_step();
+    let steps = layout.steps();
+    let mut packs = Vec::with_capacity(steps);
+    for k in 0..steps {
+        packs.push(select_and_pack(
+            r,
+            advantages,
+            s,
+            k * per_step..(k + 1) * per_step,
+            &mut rep,
+        )?);
+    }
+    rep.microbatches = packs.iter().map(|p| p.len()).sum();
     let mut mem = EpochMemory {
         old: vec![Vec::new(); n],
         reference: vec![Vec::new(); n],
     };
     let t0 = Instant::now();
+    if steps > 1 {
+        // Steps after the first see a moved policy, so their old log-probs (the
+        // sampling policy's) are taken now, before the first optimizer step, as TRL
+        // takes them at generation.
+        for pack in packs.iter().skip(1).flatten() {
+            let micro = Micro::new(model, &r.seqs, &r.prompt_lens, pack)?;
+            let mut cx = Cx::inference();
+            let lp = model.token_logprobs(&mut cx, &micro.batch)?;
+            let lp = micro.gather(&lp.tensor().to_vec1::<f32>()?);
+            let mut k = 0;
+            for &i in pack {
+                let l = r.response_lens[i];
+                mem.old[i] = lp[k..k + l].to_vec();
+                k += l;
+            }
+        }
+    }
     for epoch in 0..s.grpo.epochs {
-        let e = epoch_grads(
-            model, reference, r, advantages, &weights, &packs, epoch, s, &mut mem, &mut rep,
-        )?;
-        rep.grad_norm = opt.step(model, &e.grads)?.grad_norm;
-        if let (Some(alloc), Some(exposures)) = (&s.allocator, &e.planned_exposures) {
-            // The step's gradient norm (before clipping) refines the allocator's
-            // gradient-norm scale.
-            alloc
-                .borrow_mut()
-                .observe_step_gradient(rep.grad_norm, exposures);
+        for (k, step_packs) in packs.iter().enumerate() {
+            let e = epoch_grads(
+                model,
+                reference,
+                r,
+                advantages,
+                &weights,
+                step_packs,
+                epoch * steps + k,
+                epoch == 0,
+                s,
+                &mut mem,
+                &mut rep,
+            )?;
+            rep.grad_norm = opt.step(model, &e.grads)?.grad_norm;
+            rep.optimizer_steps += 1;
+            if let (Some(alloc), Some(exposures)) = (&s.allocator, &e.planned_exposures) {
+                // The step's gradient norm (before clipping) refines the allocator's
+                // gradient-norm scale.
+                alloc
+                    .borrow_mut()
+                    .observe_step_gradient(rep.grad_norm, exposures);
+            }
         }
     }
     rep.seconds = t0.elapsed().as_secs_f64() - rep.reference_seconds;
@@ -546,6 +612,7 @@ mod tests {
         let weights = hilore_runtime::grpo::aggregation_weights(&response_lens, Default::default());
         let settings = |skip: bool| UpdateSettings {
             grpo: GrpoConfig::default(),
+            layout: StepLayout::single(6),
             token_budget: 64,
             plan: hilore_models::plans::store_all(),
             skip_zero_exposure: skip,
@@ -554,13 +621,13 @@ mod tests {
         let grads = |skip: bool| {
             let s = settings(skip);
             let mut rep = UpdateReport::default();
-            let packs = select_and_pack(&r, &adv, &s, &mut rep).unwrap();
+            let packs = select_and_pack(&r, &adv, &s, 0..6, &mut rep).unwrap();
             let mut mem = EpochMemory {
                 old: vec![Vec::new(); 6],
                 reference: vec![Vec::new(); 6],
             };
             let g = epoch_grads(
-                &model, None, &r, &adv, &weights, &packs, 0, &s, &mut mem, &mut rep,
+                &model, None, &r, &adv, &weights, &packs, 0, true, &s, &mut mem, &mut rep,
             )
             .unwrap();
             (g.grads, rep)
@@ -580,7 +647,7 @@ mod tests {
         r2.sampled_logp[5].clear();
         let s = settings(false);
         let mut rep = UpdateReport::default();
-        let packs = select_and_pack(&r2, &adv, &s, &mut rep).unwrap();
+        let packs = select_and_pack(&r2, &adv, &s, 0..6, &mut rep).unwrap();
         assert_eq!(rep.empty_sequences, 1);
         assert!(packs.iter().all(|p| !p.contains(&5)));
         let mut rep = UpdateReport::default();
@@ -590,7 +657,7 @@ mod tests {
         };
         let err = format!(
             "{:#}",
-            select_and_pack(&r, &adv, &tight, &mut rep).unwrap_err()
+            select_and_pack(&r, &adv, &tight, 0..6, &mut rep).unwrap_err()
         );
         assert!(err.contains("raise the budget to at least 6"), "{err}");
         for (name, p) in model.named_params() {
