@@ -136,9 +136,19 @@ mod tests {
             "=",
             "99999999999999999999",
         ] {
-            assert_eq!(t.reward(&ex, bad), Reward::ZERO, "{bad:?}");
+            let r = t.reward(&ex, bad);
+            assert_eq!((r.value, r.correct), (0.0, false), "{bad:?}");
+            // An integer, wrong, is well formed (the `format` reward function).
+            let integer = matches!(bad, "84" | "99999999999999999999");
+            assert_eq!(r.well_formed, integer, "{bad:?}");
+            assert_eq!(r.weighted(t_weights()), r.value, "{bad:?}");
         }
         assert_eq!(t.reward(&ex, "085"), Reward::CORRECT);
+    }
+
+    /// Arithmetic's weights of the reward functions (`Task::reward_weights`).
+    fn t_weights() -> [f32; 2] {
+        [1.0, 0.0]
     }
 
     #[test]

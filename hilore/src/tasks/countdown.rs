@@ -322,7 +322,14 @@ mod tests {
             solution: "(3*7)+5".into(),
             answer: "3 5 7>26".into(),
         };
-        let r = |s: &str| t.reward(&ex, s).value;
+        // Every level is the task's weights over the reward functions `correct` and
+        // `format`, in float32 (0.9 + 0.1 rounds to exactly 1).
+        let weights = super::super::Task::Countdown(t.clone()).reward_weights();
+        let r = |s: &str| {
+            let got = t.reward(&ex, s);
+            assert_eq!(got.weighted(weights), got.value, "{s:?}");
+            got.value
+        };
         assert_eq!(r("(3*7)+5"), 1.0);
         assert_eq!(r("5 + 3 * 7"), 1.0, "precedence without parentheses");
         assert_eq!(r("3*7+5+0"), FORMAT_REWARD, "an extra number");
