@@ -18,48 +18,60 @@
 //!   TRL on purpose: a group whose rewards are all equal (and so a group of one) gets
 //!   advantage exactly 0, where TRL's float arithmetic leaves a residue (|A| up to 7e-5)
 //!   and `G = 1` gives NaN; exact zeros give those sequences exactly zero exposure.
-//! - Ratio (per token): `rho = exp(logp - logp_old)`.
-//! - Per-token loss: `l = -min(rho * A, clip(rho, 1 - eps_low, 1 + eps_high) * A) + beta * kl`,
-//!   with the k3 estimator of `KL(pi || pi_ref)`, `k3 = exp(ref - logp) - (ref - logp) - 1`,
-//!   importance-weighted by default (`kl = rho * k3`, TRL's `use_bias_correction_kl`: the
-//!   samples come from `pi_old`, so `rho * k3` is the unbiased estimate under `pi`) or as
-//!   is (`kl = k3`, [`GrpoConfig::kl_bias_correction`] off).
+//! - Ratio: per token, `rho_t = exp(logp_t - logp_old_t)`, or per sequence (GSPO,
+//!   [`ImportanceSampling::Sequence`]), `rho = exp(mean_t (logp_t - logp_old_t))` for all
+//!   its tokens.
+//! - Per-token loss ([`Surrogate`]): the clip,
+//!   `l = -min(min(rho, delta) A, clip(rho, 1 - eps_low, 1 + eps_high) A)` (`delta`, two-sided
+//!   clipping, off by default); CISPO, `l = -sg(min(rho, eps_high)) A logp` (`sg`: no
+//!   gradient); SAPO, `l = -sigmoid(tau (rho - 1)) 4 / tau A` with `tau` by the sign of `A`.
+//!   Plus `beta * kl`, the k3 estimator of `KL(pi || pi_ref)`,
+//!   `k3 = exp(ref - logp) - (ref - logp) - 1`, importance-weighted by default (`kl = rho * k3`,
+//!   TRL's `use_bias_correction_kl`: the samples come from `pi_old`, so `rho * k3` is the
+//!   unbiased estimate under `pi`) or as is (`kl = k3`).
 //! - Aggregation: `L = sum_i w_i sum_t l_it`, with the weight `w_i` of every token of
-//!   sequence `i` ([`Aggregation`]): token-mean over the whole optimizer step,
-//!   `w_i = 1 / sum_j |o_j|` (TRL's `dapo`, its default), seq-mean-token-mean,
-//!   `w_i = 1 / (S * |o_i|)` over the `S` sequences of the step, empty ones counted
-//!   (TRL's `grpo`), or a constant, `w = 1 / (S * max_completion_length)` (`dr_grpo`).
+//!   sequence `i` ([`Aggregation`], [`aggregation_weights_layout`]): token mean over the
+//!   step (TRL's `dapo` and `cispo`), mean of the sequences' token means (`grpo`, `sapo`),
+//!   a constant normaliser (`dr_grpo`), token means per loss microbatch (`bnpo`).
+//!   [`LossType`] names the pairs as TRL's `loss_type` does.
 //!
 //! ## The coefficients
 //!
-//! Differentiating `l` through `logp` (`d rho / d logp = rho`,
-//! `d k3 / d logp = 1 - exp(ref - logp)`):
+//! Differentiating `l` through `logp` (`d rho_t / d logp_t = rho_t`; a sequence ratio's
+//! `d rho / d logp_t = rho / |o|`, summed over the sequence's `|o|` equal per-token losses,
+//! gives the same `rho` factor), with `g = dl/drho * rho`:
 //!
-//! `c = w * ( -A * rho * [branch not clipped] + beta * rho * (1 - exp(ref - logp) + k3) )`
+//! - clip: `g = -A rho`, or 0 where the clipped branch is active: `A > 0` and
+//!   `rho > 1 + eps_high`, `A < 0` and `rho < 1 - eps_low`, or (with `delta`) `A < 0` and
+//!   `rho > delta`. At a tie the unclipped branch is taken.
+//! - CISPO: `g = -A min(rho, eps_high)` (the weight is detached; every token keeps a
+//!   gradient).
+//! - SAPO: `g = -A 4 s (1 - s) rho` with `s = sigmoid(tau (rho - 1))` (`tau` cancels; at
+//!   `rho = 1` the slope is exactly 1).
+//! - KL: `beta rho (1 - exp(ref - logp) + k3)` with the bias correction (per sequence,
+//!   `beta rho (1 - exp(ref - logp) + mean_t k3)`), `beta (1 - exp(ref - logp))` without.
 //!
-//! with the bias correction (`rho = 1` in the first epoch, where the KL part is
-//! `beta * (1 - exp(ref - logp) + k3)`), `c = w * ( ... + beta * (1 - exp(ref - logp)) )`
-//! without it.
+//! and `c = w (g + kl part)`.
 //!
-//! where the clipped branch is active (and its gradient zero) exactly when the min picks
-//! the clamped term with `rho` outside the clip range: `A > 0` and `rho > 1 + eps_high`, or
-//! `A < 0` and `rho < 1 - eps_low`. At a tie the unclipped branch is taken. With two-sided
-//! clipping (TRL's `delta > 1 + eps_high`) the unclipped term is `min(rho, delta) * A`, so
-//! `A < 0` and `rho > delta` has zero gradient too.
-//!
-//! **Known before the forward**: with one update epoch per rollout (`mu = 1`: the policy
-//! has not moved since the rollout, so `logp_old = logp` and `rho = 1` exactly, the way
-//! TRL sets `old = logp.detach()`) and no KL term (`beta = 0`), `c = -A * w`: a function of
-//! the rewards and the response lengths alone, known before the actor update's forward
-//! ([`Coefficients::before_forward`], [`known_before_forward`]). This is what lets an
-//! allocator plan a microbatch's fidelities from its exposure before running it.
-//!
-//! Two-sided clipping (`delta`) does not change this: in the first epoch `rho = 1 < delta`.
+//! **Known before the forward**: in the first optimizer step after a rollout (the policy
+//! has not moved since it sampled, so `logp_old = logp` and `rho = 1` exactly, per token
+//! and per sequence, the way TRL sets `old = logp.detach()`) and without a KL term
+//! (`beta = 0`), `c = -A w` (CISPO: `-A min(1, eps_high) w`): a function of the rewards and
+//! the response lengths alone, known before the actor update's forward, for every loss
+//! type and either ratio level ([`Coefficients::before_forward`], [`known_before_forward`]).
+//! This is what lets an allocator plan a microbatch's fidelities from its exposure before
+//! running it. Two-sided clipping does not change it (`rho = 1 < delta`).
 //!
 //! **Known only after the forward** (but before backward, with no extra backward pass):
-//! with `beta > 0` (the KL term needs the current `logp`), or in epochs after the first
-//! (`rho != 1`, and the clip branch depends on it). [`Coefficients::after_forward`]
-//! computes them from the forward's log-probs.
+//! with `beta > 0` (the KL term needs the current `logp`), and in every later optimizer
+//! step of the same rollout: epochs after the first (`num_iterations`) and, with
+//! `steps_per_generation > gradient_accumulation_steps`, the rollout's later steps
+//! (`rho != 1`; the clip branch, CISPO's cap and SAPO's gate depend on it).
+//! [`Coefficients::after_forward`] computes them from the forward's log-probs.
+//!
+//! TRL's own numbers are the check: `hilore-runtime/tests/trl_golden.rs` holds
+//! [`trl::compute`] to TRL 1.16.0's trainer on committed cases within a derived float32
+//! bound.
 //!
 //! ## Exposure
 //!

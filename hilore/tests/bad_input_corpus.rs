@@ -320,6 +320,43 @@ fn every_bad_input_is_a_clear_error_that_changes_nothing() {
         &["--loss-type", "dapo", "dr_grpo"],
     ));
     cases.push(t(&["--policy", "compress-fp3"], &["fp3"]));
+    // TRL's batch layout, reward weights, ratio level and config file.
+    cases.push(t(
+        &["--gradient-accumulation-steps", "0"],
+        &["gradient_accumulation_steps is 0", "at least 1"],
+    ));
+    cases.push(t(
+        &[
+            "--gradient-accumulation-steps",
+            "2",
+            "--steps-per-generation",
+            "3",
+        ],
+        &[
+            "--steps-per-generation",
+            "multiple of gradient_accumulation_steps",
+        ],
+    ));
+    cases.push(t(
+        &["--steps-per-generation", "3"],
+        &["steps_per_generation = 3", "multiple of 3"],
+    ));
+    cases.push(t(
+        &["--reward-weights", "1"],
+        &["--reward-weights", "correct and format"],
+    ));
+    cases.push(t(
+        &["--importance-sampling-level", "group"],
+        &["--importance-sampling-level", "token", "sequence"],
+    ));
+    cases.push(t(
+        &["--loss-type", "sapo", "--delta", "2"],
+        &["delta", "clipped losses"],
+    ));
+    cases.push(t(
+        &["--grpo-config", "/nonexistent/grpo.yaml"],
+        &["/nonexistent/grpo.yaml"],
+    ));
     cases.push(t(
         &["--refresh-costs"],
         &["--refresh-costs", "--policy hilore"],

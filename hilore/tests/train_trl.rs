@@ -185,3 +185,60 @@ fn bad_trl_configs_are_refused_naming_the_key() {
         assert!(err.contains(want), "{text}: {err}");
     }
 }
+
+/// `--policy hilore` plans a microbatch before its forward exactly where the
+/// coefficients are known then: the rollout's first optimizer step without a KL term, for
+/// every loss type and ratio level. Here each rollout makes 2 optimizer steps over 2
+/// epochs (4 updates); only the first update's microbatches are planned, and none with
+/// beta > 0.
+#[test]
+fn the_allocator_plans_before_the_forward_exactly_where_the_coefficients_are_known() {
+    for loss in ["dapo", "grpo", "dr_grpo", "bnpo", "cispo", "sapo"] {
+        for (level, beta) in [("token", "0"), ("sequence", "0"), ("token", "0.04")] {
+            let dir = support::tmpdir("train-trl", &format!("plan-{loss}-{level}-{beta}"));
+            support::run_ok(&tiny(
+                &dir,
+                &[
+                    "--loss-type",
+                    loss,
+                    "--importance-sampling-level",
+                    level,
+                    "--beta",
+                    beta,
+                    "--epsilon-high",
+                    if loss == "cispo" { "4" } else { "0.28" },
+                    "--num-iterations",
+                    "2",
+                    "--gradient-accumulation-steps",
+                    "1",
+                    "--steps-per-generation",
+                    "2",
+                    "--token-budget",
+                    "24",
+                    "--steps",
+                    "2",
+                ],
+            ));
+            let ms = metrics(&dir);
+            let mut planned_any = false;
+            for m in &ms {
+                let planned = m["planned_microbatches"].as_u64().unwrap();
+                let total = m["microbatches"].as_u64().unwrap();
+                assert_eq!(m["optimizer_steps"], 4, "{loss} {level} {beta}: {m}");
+                if beta != "0" {
+                    assert_eq!(planned, 0, "{loss} {level} beta {beta}: {m}");
+                } else {
+                    // The first of two optimizer steps per epoch: some, never all, of the
+                    // epoch's microbatches (a step whose sequences all have zero
+                    // exposure plans nothing: there is nothing to run).
+                    assert!(planned < total, "{loss} {level}: {m}");
+                    planned_any |= planned > 0;
+                }
+            }
+            assert!(
+                planned_any || beta != "0",
+                "{loss} {level}: nothing planned in {ms:?}"
+            );
+        }
+    }
+}

@@ -491,6 +491,8 @@ struct StepMetrics {
     zero_exposure_sequences: usize,
     /// Optimizer steps of this GRPO step (epochs x steps per rollout).
     optimizer_steps: usize,
+    /// Microbatches the allocator planned before their forward (`--policy hilore`).
+    planned_microbatches: usize,
     skipped_sequences: usize,
     skipped_tokens: usize,
     empty_sequences: usize,
@@ -695,17 +697,6 @@ impl RunSettings {
             a.sapo_temperature_neg,
         ));
         grpo.validate().context("GRPO settings")?;
-        let steps_per_generation = a
-            .steps_per_generation
-            .unwrap_or(a.gradient_accumulation_steps);
-        grpo::StepLayout::new(
-            a.prompts * a.group_size,
-            a.gradient_accumulation_steps,
-            steps_per_generation,
-        )
-        .context(
-            "--prompts x --group-size, --gradient-accumulation-steps and --steps-per-generation",
-        )?;
         for (flag, v, range, hint) in [
             (
                 "--adam-beta1",
@@ -801,6 +792,17 @@ impl RunSettings {
                 bail!("{flag} is 0; it must be at least 1");
             }
         }
+        let steps_per_generation = a
+            .steps_per_generation
+            .unwrap_or(a.gradient_accumulation_steps);
+        grpo::StepLayout::new(
+            a.prompts * a.group_size,
+            a.gradient_accumulation_steps,
+            steps_per_generation,
+        )
+        .context(
+            "--prompts x --group-size, --gradient-accumulation-steps and --steps-per-generation",
+        )?;
         if a.refresh_costs && a.policy != "hilore" {
             bail!(
                 "--refresh-costs refreshes the allocator's cost model: it needs --policy hilore (the policy is `{}`)",
@@ -1558,6 +1560,7 @@ pub fn run(mut args: TrainArgs) -> anyhow::Result<ExitCode> {
             empty_sequences: rep.empty_sequences,
             microbatches: rep.microbatches,
             optimizer_steps: rep.optimizer_steps,
+            planned_microbatches: rep.planned_microbatches,
             update_tokens: rep.update_tokens,
             rollout_tokens: ro.generated_tokens(),
             peak_activation_bytes: rep.peak_activation_bytes,

@@ -53,6 +53,10 @@ pub struct UpdateReport {
     pub grad_norm: f64,
     /// Optimizer steps taken (epochs x steps per rollout).
     pub optimizer_steps: usize,
+    /// Microbatches the allocator planned before their forward (`--policy hilore`, where
+    /// the coefficients are known then: the rollout's first optimizer step, no KL); the
+    /// others ran under the fallback plan.
+    pub planned_microbatches: usize,
     /// Rows through forward and backward, all epochs.
     pub update_tokens: usize,
     /// Sequences (and their rows) not run because their exposure is zero.
@@ -337,6 +341,7 @@ fn epoch_grads(
             }
             let mut wl = StepWorkload { model: m, micros };
             let step = alloc.borrow_mut().plan_step(&mut wl)?;
+            rep.planned_microbatches += packs.len();
             Some((wl.micros, step.decisions))
         }
         _ => None,
