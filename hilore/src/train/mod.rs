@@ -135,13 +135,14 @@ pub struct TrainArgs {
     /// GRPO steps (rollout + update).
     #[arg(long, default_value_t = 100, help_heading = "GRPO")]
     steps: usize,
-    /// Prompts per step (P).
+    /// Prompts per step (P); P x G sequences are TRL's generation batch
+    /// (`per_device_train_batch_size` x `steps_per_generation`).
     #[arg(long, default_value_t = 32, help_heading = "GRPO")]
     prompts: usize,
     /// Responses per prompt (G; TRL's `num_generations`, default 8 there too).
     #[arg(
         long,
-        alias = "num-generations",
+        visible_alias = "num-generations",
         default_value_t = 8,
         help_heading = "GRPO"
     )]
@@ -150,7 +151,7 @@ pub struct TrainArgs {
     /// pretrained LLMs, 2e-4 suits the small policies trained from scratch here).
     #[arg(
         long,
-        alias = "learning-rate",
+        visible_alias = "learning-rate",
         default_value_t = 2e-4,
         help_heading = "GRPO"
     )]
@@ -169,7 +170,7 @@ pub struct TrainArgs {
     /// the first optimizer step's coefficients are known before the forward.
     #[arg(
         long,
-        alias = "num-iterations",
+        visible_alias = "num-iterations",
         default_value_t = 1,
         help_heading = "GRPO"
     )]
@@ -266,11 +267,14 @@ pub struct TrainArgs {
     /// Nucleus sampling (TRL's `top_p`).
     #[arg(long, default_value_t = 1.0, help_heading = "GRPO")]
     top_p: f64,
-    /// Most new tokens per response (default: the task's longest solution + EOS).
-    #[arg(long, help_heading = "GRPO")]
+    /// Most new tokens per response (TRL's `max_completion_length`; default: the task's
+    /// longest solution + EOS, where TRL's is 512).
+    #[arg(long, visible_alias = "max-completion-length", help_heading = "GRPO")]
     max_new_tokens: Option<usize>,
+    /// Gradient-norm clipping of each optimizer step (TRL's `max_grad_norm`).
     #[arg(long, default_value_t = 1.0, help_heading = "GRPO")]
     max_grad_norm: f64,
+    /// AdamW's decoupled weight decay (TRL's `weight_decay`).
     #[arg(long, default_value_t = 0.0, help_heading = "GRPO")]
     weight_decay: f64,
 
