@@ -81,9 +81,8 @@
 //! squared exposures ([`microbatch_exposure`]), i.e. the L2 norm of its rows'
 //! coefficients. Rounding a unit's saved activations perturbs every row independently,
 //! and row `t`'s share of the parameter-gradient error is proportional to `c_t`, so the
-//! error adds in quadrature over rows: it grows with this norm, not with `sum |c|` (on
-//! the benchmark's GRPO step, compress-all's error per unit of `sum |c|` spanned a
-//! factor 1.97 across microbatches, per unit of this norm a factor 1.37). A sequence
+//! error adds in quadrature over rows: it grows with this norm, not with `sum |c|`
+//! (docs/allocator.md measures both on the benchmark's GRPO step). A sequence
 //! with zero exposure contributes exactly zero gradient: with `beta = 0` that is every
 //! sequence whose advantage is 0 (e.g. every sequence of a group whose rewards are all
 //! equal), whatever the epoch.
