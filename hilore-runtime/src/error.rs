@@ -42,6 +42,27 @@ pub enum Error {
     /// A unit's body failed while it was being recomputed.
     #[error("unit `{unit}` failed while being recomputed: {message}")]
     Recompute { unit: String, message: String },
+    /// The allocator's memory budget is below what any plan needs: the fixed state
+    /// (parameters, gradients, optimizer) plus the least activation peak any plan reaches.
+    #[error("memory budget of {budget_bytes} bytes is infeasible: the fixed state alone is {fixed_bytes} bytes (parameters {param_bytes}, gradients {grad_bytes}, optimizer {optimizer_bytes}) and the least activation peak any plan reaches is {least_activation_bytes} bytes; the smallest feasible budget is {smallest_feasible_bytes} bytes")]
+    InfeasibleMemory {
+        budget_bytes: usize,
+        fixed_bytes: usize,
+        param_bytes: usize,
+        grad_bytes: usize,
+        optimizer_bytes: usize,
+        least_activation_bytes: usize,
+        /// `fixed_bytes + least_activation_bytes`: ask for at least this much.
+        smallest_feasible_bytes: usize,
+    },
+    /// The allocator's risk budget cannot be met by any plan that fits the memory budget.
+    #[error("risk budget {budget:.4e} is infeasible under this memory budget: the least risk any plan that fits reaches is {least_risk:.4e} (risks added in quadrature)")]
+    InfeasibleRisk {
+        /// The risk budget asked for (relative gradient error).
+        budget: f64,
+        /// The least risk of any plan that fits: ask for at least this much.
+        least_risk: f64,
+    },
     /// Misuse of the tape (a description of what and how to fix it).
     #[error("{0}")]
     Tape(String),

@@ -48,6 +48,21 @@ impl fmt::Display for Fidelity {
     }
 }
 
+impl serde::Serialize for Fidelity {
+    /// As its name (`store`, `recompute`, `compress-<codec>`), the form
+    /// [`Fidelity::parse`] reads.
+    fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        s.collect_str(self)
+    }
+}
+
+impl Fidelity {
+    /// Whether this fidelity compresses (with any codec).
+    pub fn is_compress(&self) -> bool {
+        matches!(self, Fidelity::Compress(_))
+    }
+}
+
 /// A fidelity for every unit instance (a unit's descriptor x its call index in the
 /// forward). Lookup order: the instance, then the unit, then the default.
 #[derive(Debug, Clone, Default)]

@@ -145,7 +145,7 @@ pub struct UnitInstanceInfo {
     /// The enclosing unit instance (index into [`Cx::unit_instances`]).
     pub parent: Option<usize>,
     /// The fidelity it was given.
-    pub fidelity: String,
+    pub fidelity: Fidelity,
     /// The value of its cost expression.
     pub cost: f64,
     /// Ops it recorded (nested units' included).
@@ -278,7 +278,7 @@ impl<'m> Cx<'m> {
                 unit: u.desc.name,
                 call: u.call,
                 parent: u.parent,
-                fidelity: u.fidelity.to_string(),
+                fidelity: u.fidelity,
                 cost: u.cost,
                 ops: u.end_node - u.first_node,
             })

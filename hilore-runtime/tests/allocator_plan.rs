@@ -206,8 +206,20 @@ fn infeasible_budget_names_the_smallest_feasible_one() {
     let smallest = STATE.total() + least;
     let err = a
         .plan(&mb, smallest - 1, f64::INFINITY, &full())
-        .unwrap_err()
-        .to_string();
+        .unwrap_err();
+    // A caller can match the error and read the figure.
+    match &err {
+        hilore_runtime::Error::InfeasibleMemory {
+            smallest_feasible_bytes,
+            budget_bytes,
+            ..
+        } => assert_eq!(
+            (*smallest_feasible_bytes, *budget_bytes),
+            (smallest, smallest - 1)
+        ),
+        other => panic!("not InfeasibleMemory: {other}"),
+    }
+    let err = err.to_string();
     assert!(
         err.contains(&format!("smallest feasible budget is {smallest} bytes")),
         "{err}"

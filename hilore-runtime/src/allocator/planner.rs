@@ -796,14 +796,15 @@ impl Allocator {
 
     fn infeasible_memory(&self, total_budget: usize, offer: &Offer) -> Error {
         match self.least_memory(offer) {
-            Ok((p, _)) => Error::Tape(format!(
-                "memory budget of {total_budget} bytes is infeasible: the fixed state alone is {} bytes (parameters {}, gradients {}, optimizer {}) and the least activation peak any plan reaches is {p} bytes; the smallest feasible budget is {} bytes",
-                self.state.total(),
-                self.state.params,
-                self.state.grads,
-                self.state.optimizer,
-                self.state.total() + p
-            )),
+            Ok((p, _)) => Error::InfeasibleMemory {
+                budget_bytes: total_budget,
+                fixed_bytes: self.state.total(),
+                param_bytes: self.state.params,
+                grad_bytes: self.state.grads,
+                optimizer_bytes: self.state.optimizer,
+                least_activation_bytes: p,
+                smallest_feasible_bytes: self.state.total() + p,
+            },
             Err(e) => e,
         }
     }
@@ -984,15 +985,12 @@ impl Allocator {
         } else {
             f64::INFINITY
         };
-        let infeasible = |e: Infeasible| {
-            match e {
-            Infeasible::Risk { min_risk, budget } => Error::Tape(format!(
-                "risk budget {:.4e} is infeasible under this memory budget: the least risk any plan that fits reaches is {:.4e} (risks added in quadrature)",
-                budget.sqrt(),
-                min_risk.sqrt()
-            )),
+        let infeasible = |e: Infeasible| match e {
+            Infeasible::Risk { min_risk, budget } => Error::InfeasibleRisk {
+                budget: budget.sqrt(),
+                least_risk: min_risk.sqrt(),
+            },
             e => Error::Tape(e.to_string()),
-        }
         };
         let step = match self.solver.solve_step(&problems, b2) {
             Ok(step) => step,

@@ -13,7 +13,7 @@ use hilore_runtime::grpo::{
     aggregation_weights_layout, known_before_forward, pack_by_token_budget, CoefficientStats,
     Coefficients, GrpoConfig, Sequences, StepLayout, TokenLogprobs,
 };
-use hilore_runtime::{Cx, Grads, Plan};
+use hilore_runtime::{Cx, Fidelity, Grads, Plan};
 use std::cell::RefCell;
 use std::rc::Rc;
 use std::time::Instant;
@@ -101,10 +101,11 @@ impl FidelityCounts {
         let mut c = FidelityCounts::default();
         for (i, u) in instances.iter().enumerate() {
             // Parents open before their children, so `recomputed[p]` is already known.
-            recomputed[i] = u.fidelity == "recompute" || u.parent.is_some_and(|p| recomputed[p]);
+            recomputed[i] =
+                u.fidelity == Fidelity::Recompute || u.parent.is_some_and(|p| recomputed[p]);
             if recomputed[i] {
                 c.recompute += 1;
-            } else if u.fidelity.starts_with("compress") {
+            } else if u.fidelity.is_compress() {
                 c.compress += 1;
             } else {
                 c.store += 1;
