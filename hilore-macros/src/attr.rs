@@ -96,7 +96,12 @@ pub(crate) fn parse(cx: &mut Ctxt, tokens: TokenStream) -> Args {
                         match e {
                             Expr::Lit(syn::ExprLit {
                                 lit: Lit::Str(s), ..
-                            }) if !s.value().is_empty() => list.push(s.clone()),
+                            }) if !s.value().is_empty() => {
+                                if hilore_kernels::codec_by_name(&s.value()).is_err() {
+                                    cx.error_spanned_by(s, unknown_codec(&s.value()));
+                                }
+                                list.push(s.clone())
+                            }
                             other => cx.error_spanned_by(
                                 other,
                                 "`codecs` lists codec names as string literals: `codecs = [\"bf16\", \"fp8-e4m3-b32\"]`",
@@ -124,6 +129,26 @@ pub(crate) fn parse(cx: &mut Ctxt, tokens: TokenStream) -> Args {
 }
 
 /// The argument name closest to `s`, if it is a plausible typo of it.
+/// The message for a `codecs` entry that names no codec: the valid names, and the one
+/// meant when it is close or a prefix (`fp8` for `fp8-e4m3-b32`).
+fn unknown_codec(name: &str) -> String {
+    let names = hilore_kernels::codec_names();
+    let near: Vec<&str> = names
+        .iter()
+        .copied()
+        .filter(|n| n.starts_with(name) || levenshtein(name, n) <= (n.len() / 3).max(1))
+        .collect();
+    let hint = match near.as_slice() {
+        [] => String::new(),
+        [one] => format!("; did you mean `{one}`?"),
+        many => format!("; did you mean one of {}?", many.join(", ")),
+    };
+    format!(
+        "unknown codec `{name}` in `codecs`; the codecs are {}{hint}",
+        names.join(", ")
+    )
+}
+
 fn closest(s: &str) -> Option<&'static str> {
     NAMES
         .iter()
