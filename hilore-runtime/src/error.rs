@@ -36,9 +36,15 @@ pub enum Error {
     /// A recompute did not replay the recorded forward.
     #[error("recompute of unit `{unit}` diverged from its forward: {detail}")]
     ReplayDiverged { unit: String, detail: String },
-    /// A deterministic unit's recompute produced different bits.
-    #[error("recompute of deterministic unit `{unit}` (call {call}) is not bit-identical to its forward")]
-    NotBitIdentical { unit: String, call: usize },
+    /// A deterministic unit's recompute produced different bits ([`crate::Cx::verify_recompute`]).
+    #[error("recompute of deterministic unit `{unit}` (call {call}) is not bit-identical to its forward: its output, from op {op_index} (`{op}`), differs; the unit's body reads something besides its inputs (a counter, a clock, a random draw, mutable state), so it must not be recomputed: drop `deterministic` or make the body a function of its inputs")]
+    NotBitIdentical {
+        unit: String,
+        call: usize,
+        /// The op that produced the unit's (last) output, and its index on the tape.
+        op: &'static str,
+        op_index: usize,
+    },
     /// A unit's body failed while it was being recomputed.
     #[error("unit `{unit}` failed while being recomputed: {message}")]
     Recompute { unit: String, message: String },

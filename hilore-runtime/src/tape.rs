@@ -131,7 +131,8 @@ pub struct BackwardReport {
     pub decoded_units: usize,
     /// Ops whose backward ran.
     pub ops: usize,
-    /// Recompute checks (filled when [`Cx::verify_recompute`] is on).
+    /// Recompute checks (filled when [`Cx::verify_recompute`] or
+    /// [`Cx::report_recompute_checks`] is on).
     pub checks: Vec<RecomputeCheck>,
 }
 
@@ -166,6 +167,8 @@ pub struct Cx<'m> {
     times: TapeTimes,
     seed: u64,
     verify: bool,
+    /// With `verify`: record a failed check instead of returning the error.
+    report_only: bool,
     checks: Vec<RecomputeCheck>,
     poisoned: Option<String>,
     backward_done: bool,
@@ -192,6 +195,7 @@ impl<'m> Cx<'m> {
             times: TapeTimes::default(),
             seed: 0,
             verify: false,
+            report_only: false,
             checks: Vec::new(),
             poisoned: None,
             backward_done: false,
@@ -239,9 +243,21 @@ impl<'m> Cx<'m> {
     }
 
     /// Fingerprints every Recompute unit's output in the forward and compares the
-    /// recomputed output in backward (see [`BackwardReport::checks`]).
+    /// recomputed output in backward: a difference fails the backward with
+    /// [`Error::NotBitIdentical`], naming the unit and the op (the checks are also in
+    /// [`BackwardReport::checks`]).
     pub fn verify_recompute(mut self, on: bool) -> Self {
         self.verify = on;
+        self.report_only = false;
+        self
+    }
+
+    /// [`Cx::verify_recompute`] that only records each check's outcome in
+    /// [`BackwardReport::checks`] and lets the backward finish: for tools that compare
+    /// many plans and report every failure (`hilore check`).
+    pub fn report_recompute_checks(mut self, on: bool) -> Self {
+        self.verify = on;
+        self.report_only = true;
         self
     }
 
@@ -779,6 +795,17 @@ impl<'m> Cx<'m> {
                 call: self.units[inst].call,
                 bit_identical: same,
             });
+            if !same && !self.report_only {
+                let op_index = end.saturating_sub(1);
+                let e = Error::NotBitIdentical {
+                    unit: self.units[inst].desc.name.to_string(),
+                    call: self.units[inst].call,
+                    op: self.nodes.get(op_index).map_or("?", |n| n.name),
+                    op_index,
+                };
+                self.poisoned = Some(e.to_string());
+                return Err(e);
+            }
         }
         self.units[inst].state = UnitState::Live;
         let u = &self.units[inst];

@@ -274,7 +274,7 @@ pub fn run_pass(
     plan: Plan,
     verify: bool,
 ) -> anyhow::Result<Pass> {
-    let mut cx = Cx::new(plan).verify_recompute(verify);
+    let mut cx = Cx::new(plan).report_recompute_checks(verify);
     let dev = coeffs.device();
     let t0 = now(dev)?;
     let logp = model.token_logprobs(&mut cx, batch)?;

@@ -470,20 +470,38 @@ fn verify_recompute_confirms_a_deterministic_unit() -> Result<()> {
 }
 
 #[test]
-fn verify_recompute_catches_a_unit_that_is_not_deterministic() -> Result<()> {
+fn verify_recompute_fails_the_backward_on_a_unit_that_is_not_deterministic() -> Result<()> {
     let m = Drifting {
         calls: Cell::new(0),
     };
     let x = Var::param(Tensor::randn(0f32, 1.0, (2, 3), &Device::Cpu)?);
-    let mut cx = Cx::new(Plan::store_all().with_unit("drifting", Fidelity::Recompute))
-        .verify_recompute(true);
+    let plan = Plan::store_all().with_unit("drifting", Fidelity::Recompute);
+    let mut cx = Cx::new(plan.clone()).verify_recompute(true);
     let y = m.forward(&mut cx, &x)?;
-    let report = cx.backward(&y, &seed_like(&y)?, &mut Grads::new())?;
+    let err = cx
+        .backward(&y, &seed_like(&y)?, &mut Grads::new())
+        .unwrap_err();
     assert_eq!(
         m.calls.get(),
         2,
         "run once in the forward, once more in backward"
     );
+    // The error names the unit, its call and the op that made its output, and the fix.
+    match &err {
+        Error::NotBitIdentical {
+            unit, call, op, ..
+        } => assert_eq!((unit.as_str(), *call, *op), ("drifting", 0, "scale")),
+        other => panic!("not NotBitIdentical: {other}"),
+    }
+    let msg = err.to_string();
+    assert!(msg.contains("drop `deterministic`"), "{msg}");
+    // Report-only checks (what `hilore check` uses) let the backward finish and record it.
+    let m = Drifting {
+        calls: Cell::new(0),
+    };
+    let mut cx = Cx::new(plan).report_recompute_checks(true);
+    let y = m.forward(&mut cx, &x)?;
+    let report = cx.backward(&y, &seed_like(&y)?, &mut Grads::new())?;
     assert_eq!(report.checks.len(), 1);
     assert_eq!(report.checks[0].unit, "drifting");
     assert!(
