@@ -108,6 +108,19 @@ impl Plan {
         self
     }
 
+    /// The unit names this plan gives a fidelity to (by unit or by instance), sorted.
+    pub fn unit_names(&self) -> Vec<&str> {
+        let mut v: Vec<&str> = self
+            .by_unit
+            .keys()
+            .chain(self.by_instance.keys())
+            .map(String::as_str)
+            .collect();
+        v.sort_unstable();
+        v.dedup();
+        v
+    }
+
     /// Every instance of the unit named `unit` gets `fidelity`.
     pub fn with_unit(mut self, unit: impl Into<String>, fidelity: Fidelity) -> Self {
         self.by_unit.insert(unit.into(), fidelity);

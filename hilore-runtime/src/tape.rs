@@ -870,6 +870,37 @@ impl<'m> Cx<'m> {
                 "backward called while a recovery unit is still open".into(),
             ));
         }
+        // A plan that names a unit this forward never ran would otherwise be ignored
+        // without a word (a misspelt name, a unit of another model, units whose crate
+        // was not linked).
+        let ran: std::collections::BTreeSet<&str> =
+            self.units.iter().map(|u| u.desc.name).collect();
+        let unknown: Vec<&str> = self
+            .plan
+            .unit_names()
+            .into_iter()
+            .filter(|n| !ran.contains(n))
+            .collect();
+        if !unknown.is_empty() {
+            return Err(Error::Tape(format!(
+                "plan `{}` names unit{} {} that this forward never ran; the units it ran are {}",
+                self.plan.name(),
+                if unknown.len() > 1 { "s" } else { "" },
+                unknown
+                    .iter()
+                    .map(|n| format!("`{n}`"))
+                    .collect::<Vec<_>>()
+                    .join(", "),
+                if ran.is_empty() {
+                    "none (no recovery unit ran: the model calls none, or the crate that defines them is not linked into this binary)".to_string()
+                } else {
+                    ran.iter()
+                        .map(|n| format!("`{n}`"))
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                }
+            )));
+        }
         if seed.shape() != output.tensor.shape() {
             return Err(Error::Tape(format!(
                 "backward seed has shape {:?}, the output {:?}",

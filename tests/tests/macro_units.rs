@@ -488,9 +488,9 @@ fn verify_recompute_fails_the_backward_on_a_unit_that_is_not_deterministic() -> 
     );
     // The error names the unit, its call and the op that made its output, and the fix.
     match &err {
-        Error::NotBitIdentical {
-            unit, call, op, ..
-        } => assert_eq!((unit.as_str(), *call, *op), ("drifting", 0, "scale")),
+        Error::NotBitIdentical { unit, call, op, .. } => {
+            assert_eq!((unit.as_str(), *call, *op), ("drifting", 0, "scale"))
+        }
         other => panic!("not NotBitIdentical: {other}"),
     }
     let msg = err.to_string();
@@ -508,6 +508,33 @@ fn verify_recompute_fails_the_backward_on_a_unit_that_is_not_deterministic() -> 
         !report.checks[0].bit_identical,
         "the drifting recompute must be caught"
     );
+    Ok(())
+}
+
+#[test]
+fn a_plan_naming_a_unit_the_forward_never_ran_is_an_error_listing_those_it_ran() -> Result<()> {
+    let blocks = stack(1)?;
+    let x = input()?;
+    let seed = seed_like(&x)?;
+    for plan in [
+        Plan::store_all().with_unit("blok", Fidelity::Recompute),
+        Plan::store_all().with_instance("mpl", 0, Fidelity::Recompute),
+    ] {
+        let err = match run(&blocks, &x, &seed, plan, false) {
+            Err(e) => e.to_string(),
+            Ok(_) => panic!("a misspelt unit was ignored"),
+        };
+        assert!(err.contains("never ran"), "{err}");
+        assert!(err.contains("`block`") && err.contains("`mlp`"), "{err}");
+    }
+    // Named units that did run are fine.
+    run(
+        &blocks,
+        &x,
+        &seed,
+        Plan::store_all().with_instance("mlp", 0, Fidelity::Recompute),
+        false,
+    )?;
     Ok(())
 }
 
