@@ -379,10 +379,25 @@ impl<'m> Cx<'m> {
                         format!("op {cursor} was `{}` in the forward, `{}` now", node.name, op.name()),
                     ));
                 }
+                // A constant made inside the unit (`Var::constant` of a mask, a table)
+                // gets a new id each time the body runs; it carries no gradient and the
+                // replayed op saves the replay's value, so a constant in a constant's place
+                // replays. Any other new input means the body read something else.
+                let replays = |((id, kind), v): (&(VarId, VarKind), &&Var)| {
+                    *id == v.id || (*kind == VarKind::Constant && v.kind == VarKind::Constant)
+                };
                 let same_inputs = node.inputs.len() == inputs.len()
-                    && node.inputs.iter().zip(inputs).all(|((id, _), v)| *id == v.id);
+                    && node.inputs.iter().zip(inputs.iter()).all(replays);
                 if !same_inputs {
-                    return Err(self.diverged(unit, format!("op {cursor} (`{}`) got other inputs than in the forward", node.name)));
+                    let fresh_param = inputs.iter().any(|v| {
+                        v.kind == VarKind::Param && !node.inputs.iter().any(|(id, _)| *id == v.id)
+                    });
+                    let hint = if fresh_param {
+                        "; a `Var::param` made inside the unit gets a new id when it is recomputed: make it once, outside the unit (a field of the model), and pass it in"
+                    } else {
+                        "; the recompute computed its inputs differently from the forward: the body must be a function of the unit's inputs alone"
+                    };
+                    return Err(self.diverged(unit, format!("op {cursor} (`{}`) got other inputs than in the forward{hint}", node.name)));
                 }
                 let output_id = node.output;
                 let (meta, slots) = if needs_grad {

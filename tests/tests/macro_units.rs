@@ -82,6 +82,16 @@ impl Drifting {
     }
 }
 
+/// Makes a constant (a mask) inside its body, so it is a new `Var` every time the body
+/// runs: it must replay under Recompute all the same.
+#[recovery_unit(cost = x.elem_count(), deterministic, name = "masked")]
+fn masked(cx: &mut Cx, x: &Var) -> Result<Var> {
+    let t = x.tensor();
+    let mask = Var::constant((Tensor::ones(t.shape(), t.dtype(), t.device())? * 0.5)?);
+    let h = cx.mul(x, &mask)?;
+    cx.mul(&h, &h)
+}
+
 // ----- helpers -------------------------------------------------------------------------
 
 const TOKENS: usize = 4;
@@ -205,7 +215,7 @@ fn every_unit_of_this_file_is_registered() {
     names.sort_unstable();
     assert_eq!(
         names,
-        ["block", "broken", "drifting", "mlp", "opaque", "project"]
+        ["block", "broken", "drifting", "masked", "mlp", "opaque", "project"]
     );
 }
 
@@ -535,6 +545,31 @@ fn a_plan_naming_a_unit_the_forward_never_ran_is_an_error_listing_those_it_ran()
         Plan::store_all().with_instance("mlp", 0, Fidelity::Recompute),
         false,
     )?;
+    Ok(())
+}
+
+#[test]
+fn a_constant_made_inside_a_unit_replays_under_recompute() -> Result<()> {
+    let x = Var::param(Tensor::randn(0f32, 1.0, (3, 4), &Device::Cpu)?);
+    let seed = seed_like(&x)?;
+    let mut out = Vec::new();
+    for f in [Fidelity::Store, Fidelity::Recompute] {
+        let mut cx = Cx::new(Plan::store_all().with_unit("masked", f)).verify_recompute(true);
+        let y = masked(&mut cx, &x)?;
+        let mut grads = Grads::new();
+        let report = cx.backward(&y, &seed, &mut grads)?;
+        assert_eq!(report.recomputed_units, (f == Fidelity::Recompute) as usize);
+        let g: Vec<u32> = grads
+            .get(x.id())
+            .unwrap()
+            .flatten_all()?
+            .to_vec1::<f32>()?
+            .iter()
+            .map(|v| v.to_bits())
+            .collect();
+        out.push(g);
+    }
+    assert_eq!(out[0], out[1], "recompute's gradient differs from store's");
     Ok(())
 }
 
