@@ -384,7 +384,8 @@ impl<'m> Cx<'m> {
                 // replayed op saves the replay's value, so a constant in a constant's place
                 // replays. Any other new input means the body read something else.
                 let replays = |((id, kind), v): (&(VarId, VarKind), &&Var)| {
-                    *id == v.id || (*kind == VarKind::Constant && v.kind == VarKind::Constant)
+                    *id == v.id
+                        || (matches!(kind, VarKind::Constant | VarKind::Frozen) && v.kind == *kind)
                 };
                 let same_inputs = node.inputs.len() == inputs.len()
                     && node.inputs.iter().zip(inputs.iter()).all(replays);
@@ -522,7 +523,7 @@ impl<'m> Cx<'m> {
                 if let Some(prof) = self.prof.as_mut() {
                     let ins = inputs
                         .iter()
-                        .filter(|v| v.kind != VarKind::Param)
+                        .filter(|v| !v.kind.is_weight())
                         .map(|v| prof.ids(&v.tensor))
                         .collect();
                     let ev_open = prof.events.len();
@@ -665,7 +666,7 @@ impl<'m> Cx<'m> {
         let inputs = std::mem::take(&mut self.units[inst].inputs);
         let mut keys = Vec::with_capacity(inputs.len());
         for v in &inputs {
-            if v.kind == VarKind::Param {
+            if v.kind.is_weight() {
                 continue;
             }
             let (key, bytes) = storage_of(&v.tensor);
@@ -974,7 +975,7 @@ impl<'m> Cx<'m> {
                 let needs: Vec<bool> = node
                     .inputs
                     .iter()
-                    .map(|(_, k)| *k != VarKind::Constant)
+                    .map(|(_, k)| !matches!(k, VarKind::Constant | VarKind::Frozen))
                     .collect();
                 let gin = node.op.backward(&saved, g, &needs)?;
                 drop(saved);
@@ -983,7 +984,7 @@ impl<'m> Cx<'m> {
                 for ((id, kind), gi) in inputs.into_iter().zip(gin) {
                     let Some(gi) = gi else { continue };
                     match kind {
-                        VarKind::Constant => {}
+                        VarKind::Constant | VarKind::Frozen => {}
                         VarKind::Param => grads.accumulate(id, gi)?,
                         VarKind::Activation => {
                             let (key, bytes) = storage_of(&gi);

@@ -27,8 +27,20 @@ pub enum VarKind {
     Param,
     /// An intermediate value produced by an op on the tape.
     Activation,
-    /// A value with no gradient (inputs, masks, frozen weights).
+    /// A value with no gradient (inputs, masks, tables).
     Constant,
+    /// A weight that is not trained (a LoRA base, a frozen embedding): saved by
+    /// reference like a parameter, so never activation memory and never compressed, and
+    /// given no gradient.
+    Frozen,
+}
+
+impl VarKind {
+    /// Whether this is a weight (a parameter, trained or frozen): saved by reference,
+    /// never counted as activation memory.
+    pub fn is_weight(self) -> bool {
+        matches!(self, VarKind::Param | VarKind::Frozen)
+    }
 }
 
 /// A value on the tape: a candle tensor plus its identity.
@@ -49,6 +61,18 @@ impl Var {
             id: VarId::fresh(),
             tensor,
             kind: VarKind::Param,
+        }
+    }
+
+    /// A weight that is not trained: no gradient, and ops keep a reference to it as they
+    /// do to a parameter's, so it is never activation memory and never compressed (see
+    /// [`VarKind::Frozen`]). A frozen weight made a [`Var::constant`] would be saved as an
+    /// activation: counted, and compressed under a Compress fidelity.
+    pub fn frozen(tensor: Tensor) -> Self {
+        Var {
+            id: VarId::fresh(),
+            tensor,
+            kind: VarKind::Frozen,
         }
     }
 
@@ -90,7 +114,7 @@ impl Var {
 
     /// Whether a gradient flows to this value.
     pub fn requires_grad(&self) -> bool {
-        self.kind != VarKind::Constant
+        !matches!(self.kind, VarKind::Constant | VarKind::Frozen)
     }
 
     /// Size of dimension `d`.

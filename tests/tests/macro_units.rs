@@ -92,6 +92,23 @@ fn masked(cx: &mut Cx, x: &Var) -> Result<Var> {
     cx.mul(&h, &h)
 }
 
+/// LoRA: a frozen base weight plus a trained low-rank update `B A`.
+struct Lora {
+    w: Var,
+    a: Var,
+    b: Var,
+}
+
+impl Lora {
+    #[recovery_unit(cost = 2 * x.elem_count() * self.w.dim(0)?, deterministic, name = "lora")]
+    fn forward(&self, cx: &mut Cx, x: &Var) -> Result<Var> {
+        let base = cx.linear(x, &self.w, None)?;
+        let h = cx.linear(x, &self.a, None)?;
+        let d = cx.linear(&h, &self.b, None)?;
+        cx.add(&base, &d)
+    }
+}
+
 // ----- helpers -------------------------------------------------------------------------
 
 const TOKENS: usize = 4;
@@ -215,7 +232,7 @@ fn every_unit_of_this_file_is_registered() {
     names.sort_unstable();
     assert_eq!(
         names,
-        ["block", "broken", "drifting", "masked", "mlp", "opaque", "project"]
+        ["block", "broken", "drifting", "lora", "masked", "mlp", "opaque", "project"]
     );
 }
 
@@ -570,6 +587,60 @@ fn a_constant_made_inside_a_unit_replays_under_recompute() -> Result<()> {
         out.push(g);
     }
     assert_eq!(out[0], out[1], "recompute's gradient differs from store's");
+    Ok(())
+}
+
+/// A frozen weight (`Var::frozen`) gets no gradient, is never activation memory and is
+/// never compressed: under compress-all the input's gradient, which reads only weights
+/// (`dx = g W + (g B) A`), equals store-all's bit for bit, while the same weight made a
+/// `Var::constant` is saved as an activation, counted, and compressed.
+#[test]
+fn a_frozen_weight_gets_no_gradient_and_is_never_activation_memory() -> Result<()> {
+    let dev = Device::Cpu;
+    let (n, d, r) = (6, 32, 4);
+    let w = Tensor::randn(0f32, 1.0, (d, d), &dev)?;
+    let a = Var::param(Tensor::randn(0f32, 0.3, (r, d), &dev)?);
+    let b = Var::param(Tensor::randn(0f32, 0.3, (d, r), &dev)?);
+    let x = Var::param(Tensor::randn(0f32, 1.0, (n, d), &dev)?);
+    let seed = Tensor::randn(0f32, 1.0, (n, d), &dev)?;
+    let pass = |w: Var, plan: Plan| -> Result<(Vec<u32>, Grads, Var, usize)> {
+        let m = Lora {
+            w,
+            a: a.clone(),
+            b: b.clone(),
+        };
+        let mut cx = Cx::new(plan);
+        let y = m.forward(&mut cx, &x)?;
+        let saved = cx.memory().live_bytes_of(MemClass::Stored);
+        let mut grads = Grads::new();
+        cx.backward(&y, &seed, &mut grads)?;
+        let dx: Vec<u32> = grads
+            .get(x.id())
+            .unwrap()
+            .flatten_all()?
+            .to_vec1::<f32>()?
+            .iter()
+            .map(|v| v.to_bits())
+            .collect();
+        drop(cx);
+        Ok((dx, grads, m.w, saved))
+    };
+    let compress = Plan::compress_all("int8-b32")?;
+    let (dx_store, grads, frozen, saved_frozen) = pass(Var::frozen(w.clone()), Plan::store_all())?;
+    assert!(
+        grads.get(frozen.id()).is_none(),
+        "a frozen weight got a gradient"
+    );
+    assert!(grads.get(a.id()).is_some() && grads.get(b.id()).is_some());
+    let (dx_compressed, _, _, _) = pass(Var::frozen(w.clone()), compress.clone())?;
+    assert_eq!(dx_store, dx_compressed, "the frozen weight was compressed");
+    // The same weight as a constant: saved as an activation (d x d floats more) and
+    // compressed, so the input's gradient moves.
+    let (_, grads, constant, saved_constant) = pass(Var::constant(w.clone()), Plan::store_all())?;
+    assert!(grads.get(constant.id()).is_none());
+    assert_eq!(saved_constant - saved_frozen, d * d * 4);
+    let (dx_constant_compressed, _, _, _) = pass(Var::constant(w), compress)?;
+    assert_ne!(dx_store, dx_constant_compressed);
     Ok(())
 }
 

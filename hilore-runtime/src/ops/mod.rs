@@ -71,12 +71,13 @@ pub(crate) fn shape_of(t: &Tensor) -> Shape {
 }
 
 impl Saved {
-    /// The right kind of slot for an input: parameters are referenced, everything else is
-    /// an activation.
+    /// The right kind of slot for an input: weights (trained or frozen) are referenced,
+    /// everything else is an activation.
     pub fn for_var(v: &crate::Var) -> Saved {
-        match v.kind {
-            crate::VarKind::Param => Saved::Param(v.tensor.clone()),
-            _ => Saved::Act(v.tensor.clone()),
+        if v.kind.is_weight() {
+            Saved::Param(v.tensor.clone())
+        } else {
+            Saved::Act(v.tensor.clone())
         }
     }
 }
