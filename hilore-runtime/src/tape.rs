@@ -891,6 +891,31 @@ impl<'m> Cx<'m> {
         // was not linked).
         let ran: std::collections::BTreeSet<&str> =
             self.units.iter().map(|u| u.desc.name).collect();
+        // Two units of one name (every unnamed `fn forward` is `forward`) would share
+        // the plan's fidelity and call counts without a word: a plan naming such a name
+        // is refused, naming where each is defined.
+        for name in self.plan.unit_names() {
+            let mut sites: Vec<(&str, u32)> = self
+                .units
+                .iter()
+                .filter(|u| u.desc.name == name)
+                .map(|u| (u.desc.file, u.desc.line))
+                .collect();
+            sites.sort_unstable();
+            sites.dedup();
+            if sites.len() > 1 {
+                return Err(Error::Tape(format!(
+                    "plan `{}` names unit `{name}`, but {} different units ran under that name ({}); give each its own `#[recovery_unit(name = \"...\")]`",
+                    self.plan.name(),
+                    sites.len(),
+                    sites
+                        .iter()
+                        .map(|(f, l)| format!("{f}:{l}"))
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                )));
+            }
+        }
         let unknown: Vec<&str> = self
             .plan
             .unit_names()

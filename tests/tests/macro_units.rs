@@ -109,6 +109,24 @@ impl Lora {
     }
 }
 
+/// Two unnamed units of one name, `forward`, in two types.
+struct Up(Var);
+struct Down(Var);
+
+impl Up {
+    #[recovery_unit(cost = x.elem_count(), deterministic)]
+    fn forward(&self, cx: &mut Cx, x: &Var) -> Result<Var> {
+        cx.linear(x, &self.0, None)
+    }
+}
+
+impl Down {
+    #[recovery_unit(cost = x.elem_count(), deterministic)]
+    fn forward(&self, cx: &mut Cx, x: &Var) -> Result<Var> {
+        cx.linear(x, &self.0, None)
+    }
+}
+
 // ----- helpers -------------------------------------------------------------------------
 
 const TOKENS: usize = 4;
@@ -232,7 +250,10 @@ fn every_unit_of_this_file_is_registered() {
     names.sort_unstable();
     assert_eq!(
         names,
-        ["block", "broken", "drifting", "lora", "masked", "mlp", "opaque", "project"]
+        [
+            "block", "broken", "drifting", "forward", "forward", "lora", "masked", "mlp", "opaque",
+            "project"
+        ]
     );
 }
 
@@ -642,6 +663,31 @@ fn a_frozen_weight_gets_no_gradient_and_is_never_activation_memory() -> Result<(
     let (dx_constant_compressed, _, _, _) = pass(Var::constant(w), compress)?;
     assert_ne!(dx_store, dx_constant_compressed);
     Ok(())
+}
+
+#[test]
+fn a_plan_naming_a_name_two_units_share_is_refused_naming_both() -> Result<()> {
+    let dev = Device::Cpu;
+    let up = Up(Var::param(Tensor::randn(0f32, 1.0, (8, 4), &dev)?));
+    let down = Down(Var::param(Tensor::randn(0f32, 1.0, (4, 8), &dev)?));
+    let x = Var::param(Tensor::randn(0f32, 1.0, (3, 4), &dev)?);
+    let run = |plan: Plan| -> Result<()> {
+        let mut cx = Cx::new(plan);
+        let h = up.forward(&mut cx, &x)?;
+        let y = down.forward(&mut cx, &h)?;
+        cx.backward(&y, &seed_like(&y)?, &mut Grads::new())?;
+        Ok(())
+    };
+    let err = run(Plan::store_all().with_instance("forward", 0, Fidelity::Recompute))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("2 different units ran under that name"),
+        "{err}"
+    );
+    assert!(err.contains(file!()) && err.contains("name = "), "{err}");
+    // A plan that does not name them is fine.
+    run(Plan::store_all())
 }
 
 #[test]
