@@ -1818,45 +1818,41 @@ fn apply_trl_config(
     a: &mut TrainArgs,
     s: &hilore_runtime::grpo::trl::TrlSettings,
 ) -> anyhow::Result<Vec<String>> {
-    let explicit = a.explicit.clone();
-    let mut set = Vec::new();
-    let given = |k: &str| s.given.iter().any(|g| g == k);
-    let mut take = |key: &str, id: &str| -> bool {
-        let yes = given(key) && !explicit.iter().any(|e| e == id);
-        if yes {
-            set.push(format!("--{}", id.replace('_', "-")));
-        }
-        yes
+    let mut t = Taker {
+        given: &s.given,
+        explicit: a.explicit.clone(),
+        set: Vec::new(),
     };
+    let given = |k: &str| s.given.iter().any(|g| g == k);
     let g = &s.grpo;
-    if take("loss_type", "loss_type") {
+    if t.take("loss_type", "loss_type") {
         a.loss_type = g.loss_type().to_string();
     }
-    if take("scale_rewards", "scale_rewards") {
+    if t.take("scale_rewards", "scale_rewards") {
         a.scale_rewards = g.advantage_norm.to_string();
     }
-    if take("epsilon", "epsilon") {
+    if t.take("epsilon", "epsilon") {
         a.epsilon = g.eps_low;
     }
-    if take("epsilon_high", "epsilon_high") {
+    if t.take("epsilon_high", "epsilon_high") {
         a.epsilon_high = Some(g.eps_high);
     }
-    if take("delta", "delta") {
+    if t.take("delta", "delta") {
         a.delta = g.delta;
     }
-    if take("beta", "beta") {
+    if t.take("beta", "beta") {
         a.beta = g.beta;
     }
-    if take("use_bias_correction_kl", "use_bias_correction_kl") {
+    if t.take("use_bias_correction_kl", "use_bias_correction_kl") {
         a.use_bias_correction_kl = g.kl_bias_correction;
     }
-    if take("importance_sampling_level", "importance_sampling_level") {
+    if t.take("importance_sampling_level", "importance_sampling_level") {
         a.importance_sampling_level = g.importance_sampling.to_string();
     }
-    if take("mask_truncated_completions", "mask_truncated_completions") {
+    if t.take("mask_truncated_completions", "mask_truncated_completions") {
         a.mask_truncated_completions = g.mask_truncated_completions;
     }
-    if take("num_iterations", "epochs") {
+    if t.take("num_iterations", "epochs") {
         a.epochs = g.epochs;
     }
     if let grpo::Surrogate::Sapo {
@@ -1864,26 +1860,26 @@ fn apply_trl_config(
         temperature_neg,
     } = g.surrogate
     {
-        if take("sapo_temperature_pos", "sapo_temperature_pos") {
+        if t.take("sapo_temperature_pos", "sapo_temperature_pos") {
             a.sapo_temperature_pos = temperature_pos;
         }
-        if take("sapo_temperature_neg", "sapo_temperature_neg") {
+        if t.take("sapo_temperature_neg", "sapo_temperature_neg") {
             a.sapo_temperature_neg = temperature_neg;
         }
     }
-    if take("num_generations", "group_size") {
+    if t.take("num_generations", "group_size") {
         a.group_size = s.num_generations;
     }
-    if take("max_completion_length", "max_new_tokens") {
+    if t.take("max_completion_length", "max_new_tokens") {
         a.max_new_tokens = Some(s.max_completion_length);
     }
-    if take("temperature", "temperature") {
+    if t.take("temperature", "temperature") {
         a.temperature = s.temperature;
     }
-    if take("top_p", "top_p") {
+    if t.take("top_p", "top_p") {
         a.top_p = s.top_p;
     }
-    if take("reward_weights", "reward_weights") {
+    if t.take("reward_weights", "reward_weights") {
         if let Some(w) = &s.reward_weights {
             if w.len() != 2 {
                 bail!(
@@ -1894,7 +1890,7 @@ fn apply_trl_config(
             a.reward_weights = Some(format!("{},{}", w[0], w[1]));
         }
     }
-    if take("gradient_accumulation_steps", "gradient_accumulation_steps") {
+    if t.take("gradient_accumulation_steps", "gradient_accumulation_steps") {
         a.gradient_accumulation_steps = s.gradient_accumulation_steps;
     }
     let batch = s.per_device_train_batch_size;
@@ -1912,8 +1908,8 @@ fn apply_trl_config(
             }
             (None, None) => a.gradient_accumulation_steps,
         };
-        if take("steps_per_generation", "steps_per_generation")
-            || take("generation_batch_size", "steps_per_generation")
+        if t.take("steps_per_generation", "steps_per_generation")
+            || t.take("generation_batch_size", "steps_per_generation")
         {
             a.steps_per_generation = Some(spg);
         }
@@ -1923,7 +1919,7 @@ fn apply_trl_config(
             .steps_per_generation
             .unwrap_or(a.gradient_accumulation_steps);
         let sequences = s.generation_batch_size.unwrap_or(batch.unwrap_or(8) * spg);
-        if explicit.iter().any(|e| e == "prompts") {
+        if t.explicit.iter().any(|e| e == "prompts") {
             if a.prompts * a.group_size != sequences {
                 bail!(
                     "--prompts {} x --group-size {} is {} sequences, but the file's generation batch (per_device_train_batch_size x steps_per_generation, or generation_batch_size) is {sequences}; drop --prompts or make them agree",
@@ -1940,41 +1936,53 @@ fn apply_trl_config(
                 );
             }
             a.prompts = sequences / a.group_size;
-            set.push("--prompts".into());
+            t.set.push("--prompts".into());
         }
     }
-    let mut take = |key: &str, id: &str| -> bool {
-        let yes = given(key) && !explicit.iter().any(|e| e == id);
-        if yes {
-            set.push(format!("--{}", id.replace('_', "-")));
-        }
-        yes
-    };
-    if let (true, Some(v)) = (take("learning_rate", "lr"), s.learning_rate) {
+    if let (true, Some(v)) = (t.take("learning_rate", "lr"), s.learning_rate) {
         a.lr = v;
     }
-    if let (true, Some(v)) = (take("max_grad_norm", "max_grad_norm"), s.max_grad_norm) {
+    if let (true, Some(v)) = (t.take("max_grad_norm", "max_grad_norm"), s.max_grad_norm) {
         a.max_grad_norm = v;
     }
-    if let (true, Some(v)) = (take("weight_decay", "weight_decay"), s.weight_decay) {
+    if let (true, Some(v)) = (t.take("weight_decay", "weight_decay"), s.weight_decay) {
         a.weight_decay = v;
     }
-    if let (true, Some(v)) = (take("adam_beta1", "adam_beta1"), s.adam_beta1) {
+    if let (true, Some(v)) = (t.take("adam_beta1", "adam_beta1"), s.adam_beta1) {
         a.adam_beta1 = v;
     }
-    if let (true, Some(v)) = (take("adam_beta2", "adam_beta2"), s.adam_beta2) {
+    if let (true, Some(v)) = (t.take("adam_beta2", "adam_beta2"), s.adam_beta2) {
         a.adam_beta2 = v;
     }
-    if let (true, Some(v)) = (take("adam_epsilon", "adam_epsilon"), s.adam_epsilon) {
+    if let (true, Some(v)) = (t.take("adam_epsilon", "adam_epsilon"), s.adam_epsilon) {
         a.adam_epsilon = v;
     }
-    if let (true, Some(v)) = (take("seed", "seed"), s.seed) {
+    if let (true, Some(v)) = (t.take("seed", "seed"), s.seed) {
         a.seed = v;
     }
     if let Some(m) = s.max_steps.filter(|&m| m > 0) {
-        if take("max_steps", "steps") {
+        if t.take("max_steps", "steps") {
             a.steps = m as usize;
         }
     }
-    Ok(set)
+    Ok(t.set)
+}
+
+/// Which flags a TRL config may set: the keys it gives, less the flags given on the
+/// command line; records the flags it set.
+struct Taker<'a> {
+    given: &'a [String],
+    explicit: Vec<String>,
+    set: Vec<String>,
+}
+
+impl Taker<'_> {
+    /// Whether the file's `key` sets the flag with clap id `id` (and records it).
+    fn take(&mut self, key: &str, id: &str) -> bool {
+        let yes = self.given.iter().any(|g| g == key) && !self.explicit.iter().any(|e| e == id);
+        if yes {
+            self.set.push(format!("--{}", id.replace('_', "-")));
+        }
+        yes
+    }
 }

@@ -10,7 +10,7 @@ struct Mlp {
 }
 
 impl Mlp {
-    #[recovery_unit(cost = 4 * x.elem_count() * self.up.dim(0)?, deterministic)]
+    #[recovery_unit(cost = 4 * x.elem_count() * self.up.dim(0)?, deterministic, name = "mlp")]
     fn forward(&self, cx: &mut Cx, x: &Var) -> Result<Var> {
         let h = cx.linear(x, &self.up, None)?;
         let h = cx.silu(&h)?;
@@ -24,7 +24,7 @@ struct Block {
 }
 
 impl Block {
-    #[recovery_unit(cost = 3 * x.elem_count(), deterministic)]
+    #[recovery_unit(cost = 3 * x.elem_count(), deterministic, name = "block")]
     fn forward(&self, cx: &mut Cx, x: &Var) -> Result<Var> {
         let h = cx.rms_norm(x, &self.norm, 1e-6)?;
         let h = self.mlp.forward(cx, &h)?;
@@ -67,7 +67,8 @@ fn main() -> Result<()> {
     };
     let x = Var::constant(Tensor::randn(0f32, 1.0, (4, 8), &dev)?);
     let (stored, stored_peak) = run(&block, &x, Plan::store_all())?;
-    // Both units are named `forward`: instance 0 is the block, instance 1 its MLP.
+    // Both functions are `forward`, so each unit has a name of its own (a plan naming a
+    // name two units share is refused).
     let plans = [
         (Fidelity::Recompute, Fidelity::Store),
         (Fidelity::Store, Fidelity::Recompute),
@@ -75,8 +76,8 @@ fn main() -> Result<()> {
     ];
     for (outer, inner) in plans {
         let plan = Plan::store_all()
-            .with_instance("forward", 0, outer)
-            .with_instance("forward", 1, inner);
+            .with_unit("block", outer)
+            .with_unit("mlp", inner);
         let (g, peak) = run(&block, &x, plan)?;
         assert_eq!(
             g, stored,
