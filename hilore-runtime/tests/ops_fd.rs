@@ -789,3 +789,179 @@ fn decoder_block_f32_matches_f64() {
         assert!(rel < 1e-4, "param {i}: f32 vs f64 relative error {rel:.3e}");
     }
 }
+
+// ----- the ops a model beyond the decoder needs -----------------------------------------
+
+#[test]
+fn fd_sub_and_unary_functions() {
+    let mut rng = Rng(40);
+    let (a, b) = (rng.tensor(&[3, 1, 4]), rng.tensor(&[2, 4]));
+    fd_check("sub [3,1,4]-[2,4]", &[a, b], |cx, v| cx.sub(&v[0], &v[1]));
+    let x = rng.tensor(&[3, 5]);
+    fd_check("exp", std::slice::from_ref(&x), |cx, v| cx.exp(&v[0]));
+    fd_check("tanh", std::slice::from_ref(&x), |cx, v| cx.tanh(&v[0]));
+    fd_check("sigmoid", std::slice::from_ref(&x), |cx, v| {
+        cx.sigmoid(&v[0])
+    });
+    fd_check("gelu_erf", std::slice::from_ref(&x), |cx, v| {
+        cx.gelu_erf(&v[0])
+    });
+    fd_check("gelu_tanh", &[x], |cx, v| cx.gelu_tanh(&v[0]));
+}
+
+/// The forwards against their definitions, element by element in f64.
+#[test]
+fn unary_functions_match_their_definitions() {
+    let mut rng = Rng(41);
+    let x = rng.tensor(&[4, 6]);
+    let xs = flat(&x);
+    let mut cx = Cx::new(Plan::store_all());
+    let v = Var::constant(x);
+    let erf = |z: f64| -> f64 {
+        // Abramowitz-Stegun 7.1.26 is too coarse; integrate instead (Simpson, 2000 steps).
+        let n = 2000;
+        let h = z / n as f64;
+        let f = |t: f64| (-t * t).exp();
+        let mut s = f(0.0) + f(z);
+        for i in 1..n {
+            s += f(i as f64 * h) * if i % 2 == 1 { 4.0 } else { 2.0 };
+        }
+        s * h / 3.0 * 2.0 / std::f64::consts::PI.sqrt()
+    };
+    type Reference = Box<dyn Fn(f64) -> f64>;
+    let cases: Vec<(&str, Var, Reference)> = vec![
+        ("exp", cx.exp(&v).unwrap(), Box::new(f64::exp)),
+        ("tanh", cx.tanh(&v).unwrap(), Box::new(f64::tanh)),
+        (
+            "sigmoid",
+            cx.sigmoid(&v).unwrap(),
+            Box::new(|z: f64| 1.0 / (1.0 + (-z).exp())),
+        ),
+        (
+            "gelu_erf",
+            cx.gelu_erf(&v).unwrap(),
+            Box::new(move |z: f64| 0.5 * z * (1.0 + erf(z / 2f64.sqrt()))),
+        ),
+        (
+            "gelu_tanh",
+            cx.gelu_tanh(&v).unwrap(),
+            Box::new(|z: f64| {
+                0.5 * z
+                    * (1.0
+                        + ((2.0 / std::f64::consts::PI).sqrt() * (z + 0.044715 * z.powi(3))).tanh())
+            }),
+        ),
+    ];
+    for (name, y, f) in cases {
+        for (got, &z) in flat(y.tensor()).iter().zip(&xs) {
+            // f64 evaluation against f64 (erf by Simpson: error ~1e-13 at 2000 steps).
+            assert!(
+                (got - f(z)).abs() <= 1e-9,
+                "{name}({z}) = {got}, want {}",
+                f(z)
+            );
+        }
+    }
+}
+
+#[test]
+fn fd_softmax_and_reductions() {
+    let mut rng = Rng(42);
+    let x = rng.tensor(&[3, 2, 5]);
+    fd_check("softmax", std::slice::from_ref(&x), |cx, v| {
+        cx.softmax(&v[0])
+    });
+    for dim in 0..3 {
+        fd_check(
+            &format!("sum dim {dim}"),
+            std::slice::from_ref(&x),
+            |cx, v| cx.sum(&v[0], dim),
+        );
+        fd_check(
+            &format!("mean dim {dim}"),
+            std::slice::from_ref(&x),
+            |cx, v| cx.mean(&v[0], dim),
+        );
+        // Uniform random entries: no ties, and a perturbation of h never changes the
+        // argmax unless two entries are within 2h (probability ~1e-5 per slice).
+        fd_check(
+            &format!("max dim {dim}"),
+            std::slice::from_ref(&x),
+            |cx, v| cx.max(&v[0], dim),
+        );
+    }
+    // A softmax row sums to 1; the max is the largest entry.
+    let mut cx = Cx::new(Plan::store_all());
+    let v = Var::constant(x.clone());
+    let p = flat(cx.softmax(&v).unwrap().tensor());
+    for row in p.chunks(5) {
+        assert!((row.iter().sum::<f64>() - 1.0).abs() <= 1e-12);
+    }
+    let m = flat(cx.max(&v, 2).unwrap().tensor());
+    for (row, &mx) in flat(&x).chunks(5).zip(&m) {
+        assert_eq!(row.iter().cloned().fold(f64::MIN, f64::max), mx);
+    }
+}
+
+#[test]
+fn fd_layer_norm_pad_and_causal_conv() {
+    let mut rng = Rng(43);
+    let (x, w, b) = (rng.tensor(&[2, 3, 6]), rng.tensor(&[6]), rng.tensor(&[6]));
+    fd_check("layer_norm", &[x.clone(), w.clone(), b.clone()], |cx, v| {
+        cx.layer_norm(&v[0], &v[1], Some(&v[2]), 1e-5)
+    });
+    fd_check("layer_norm no bias", &[x.clone(), w.clone()], |cx, v| {
+        cx.layer_norm(&v[0], &v[1], None, 1e-5)
+    });
+    fd_check_mask(
+        "layer_norm w, b only",
+        &[x, w, b],
+        &[false, true, true],
+        |cx, v| cx.layer_norm(&v[0], &v[1], Some(&v[2]), 1e-5),
+    );
+    fd_check("pad", &[rng.tensor(&[3, 4])], |cx, v| {
+        cx.pad(&v[0], 1, 2, 1)
+    });
+    let (x, w) = (rng.tensor(&[7, 3]), rng.tensor(&[3, 4]));
+    fd_check("causal_conv1d", &[x.clone(), w.clone()], |cx, v| {
+        cx.causal_conv1d(&v[0], &v[1])
+    });
+    // The convolution against its definition; row t reads rows t-3..=t only.
+    let mut cx = Cx::new(Plan::store_all());
+    let y = flat(
+        cx.causal_conv1d(&Var::constant(x.clone()), &Var::constant(w.clone()))
+            .unwrap()
+            .tensor(),
+    );
+    let (xv, wv) = (flat(&x), flat(&w));
+    for t in 0..7 {
+        for c in 0..3 {
+            let mut want = 0.0;
+            for k in 0..4 {
+                let src = t as i64 - 3 + k as i64;
+                if src >= 0 {
+                    want += wv[c * 4 + k] * xv[src as usize * 3 + c];
+                }
+            }
+            assert!((y[t * 3 + c] - want).abs() <= 1e-12, "y[{t}, {c}]");
+        }
+    }
+    // LayerNorm's output rows have mean b and (biased) variance of w^2 ~ 1 each entry.
+    let mut cx = Cx::new(Plan::store_all());
+    let ones = Var::constant(Tensor::ones(6, DType::F64, &Device::Cpu).unwrap());
+    let zeros = Var::constant(Tensor::zeros(6, DType::F64, &Device::Cpu).unwrap());
+    let x = rng.tensor(&[4, 6]);
+    let y = flat(
+        cx.layer_norm(&Var::constant(x), &ones, Some(&zeros), 0.0)
+            .unwrap()
+            .tensor(),
+    );
+    for row in y.chunks(6) {
+        let m = row.iter().sum::<f64>() / 6.0;
+        let v = row.iter().map(|z| (z - m).powi(2)).sum::<f64>() / 6.0;
+        assert!(
+            m.abs() <= 1e-12 && (v - 1.0).abs() <= 1e-12,
+            "mean {m}, var {v}"
+        );
+    }
+}

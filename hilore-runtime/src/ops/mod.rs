@@ -6,6 +6,42 @@
 //! then calls [`crate::Cx::record`] with the inputs, the output and the saved tensors. The
 //! same method runs during a recompute: `record` then fills the recorded op's slots
 //! instead of appending a new op, so forward code never needs to know which pass it is in.
+//!
+//! A model can add its own op the same way, outside this crate:
+//!
+//! ```
+//! use candle_core::{Device, Tensor};
+//! use hilore_runtime::ops::{grad_if, Op, Saved};
+//! use hilore_runtime::{Cx, Grads, Plan, Result, Var};
+//!
+//! /// `x^2`: saves `x`, whose value its backward reads.
+//! struct Square;
+//!
+//! impl Op for Square {
+//!     fn name(&self) -> &'static str {
+//!         "square" // checked on recompute: the replay must run the same ops
+//!     }
+//!     fn backward(&self, saved: &[Tensor], g: &Tensor, need: &[bool]) -> Result<Vec<Option<Tensor>>> {
+//!         Ok(vec![grad_if(need[0], || Ok((g * saved[0].affine(2.0, 0.0)?)?))?])
+//!     }
+//! }
+//!
+//! fn square(cx: &mut Cx, x: &Var) -> Result<Var> {
+//!     let out = x.tensor().sqr()?;
+//!     // An activation slot: stored, compressed or recomputed with the enclosing unit.
+//!     cx.record(Square, &[x], out, vec![Saved::for_var(x)])
+//! }
+//!
+//! # fn main() -> Result<()> {
+//! let x = Var::param(Tensor::new(&[1f32, -2.0, 3.0], &Device::Cpu)?);
+//! let mut cx = Cx::new(Plan::store_all());
+//! let y = square(&mut cx, &x)?;
+//! let mut grads = Grads::new();
+//! cx.backward(&y, &Tensor::ones(3, candle_core::DType::F32, &Device::Cpu)?, &mut grads)?;
+//! assert_eq!(grads.get(x.id()).unwrap().to_vec1::<f32>()?, [2.0, -4.0, 6.0]);
+//! # Ok(())
+//! # }
+//! ```
 
 use crate::Result;
 use candle_core::{Shape, Tensor};
@@ -18,6 +54,7 @@ mod elementwise;
 mod embedding;
 mod linear;
 mod logprobs;
+mod math;
 mod norm;
 mod rope;
 mod util;
@@ -26,6 +63,7 @@ mod view;
 pub(crate) use elementwise::add_same;
 pub use elementwise::reduce_to_shape;
 pub use rope::RopeTables;
+pub use util::{any_grad, grad_if};
 
 /// A value that an op's backward reads.
 #[derive(Debug, Clone)]

@@ -5,7 +5,7 @@ use candle_core::{DType, Device, Tensor};
 
 /// Whether any of `inputs` wants a gradient. An op none of whose inputs does saves nothing:
 /// its backward never runs.
-pub(crate) fn any_grad(inputs: &[&Var]) -> bool {
+pub fn any_grad(inputs: &[&Var]) -> bool {
     inputs.iter().any(|v| v.requires_grad())
 }
 
@@ -74,7 +74,7 @@ pub(crate) fn write_at(dst: &Tensor, src: &Tensor, dim: usize, offset: usize) ->
 }
 
 /// Output gradient slot helper: `Some(f()?)` when the input wants a gradient.
-pub(crate) fn grad_if(need: bool, f: impl FnOnce() -> Result<Tensor>) -> Result<Option<Tensor>> {
+pub fn grad_if(need: bool, f: impl FnOnce() -> Result<Tensor>) -> Result<Option<Tensor>> {
     if need {
         f().map(Some)
     } else {
