@@ -165,6 +165,10 @@ pub(crate) fn analyze(cx: &mut Ctxt, f: &ItemFn) -> Signature {
                     cx.error_spanned_by(&pt.ty, "a recovery unit cannot take `impl Trait` parameters: the recompute closure needs a nameable type; use a generic parameter `T: Trait`");
                     continue;
                 }
+                if let Some(inner) = option_of_reference(&ty) {
+                    cx.error_spanned_by(&pt.ty, format!("`{ident}: Option<&{inner}>` cannot be an input of a recovery unit: the recompute keeps its inputs after the forward returns, and a borrowed value inside an `Option` cannot be kept; keep it in the module (a field `Option<{inner}>` read through `&self`, as a bias usually is), or pass `&[{inner}]` with zero or one element"));
+                    continue;
+                }
                 let role = match &ty {
                     Type::Reference(r) if r.mutability.is_some() => {
                         cx.error_spanned_by(&pt.ty, format!("`{ident}` is taken by `&mut`: a recovery unit's body runs again on recompute, so it must not mutate its inputs; take it by `&` (or by value if it is `Copy`), or keep the mutable state outside the unit"));
@@ -220,4 +224,23 @@ fn result_ok_type(ty: &Type) -> Option<Type> {
         syn::GenericArgument::Type(t) => Some(t.clone()),
         _ => None,
     })
+}
+
+/// `T` rendered, when `ty` is `Option<&T>` (any path ending in `Option`).
+fn option_of_reference(ty: &Type) -> Option<String> {
+    let Type::Path(p) = ty else { return None };
+    let last = p.path.segments.last()?;
+    if last.ident != "Option" {
+        return None;
+    }
+    let syn::PathArguments::AngleBracketed(args) = &last.arguments else {
+        return None;
+    };
+    match args.args.first()? {
+        syn::GenericArgument::Type(Type::Reference(r)) if r.mutability.is_none() => {
+            let elem = &r.elem;
+            Some(quote::quote!(#elem).to_string().replace(' ', ""))
+        }
+        _ => None,
+    }
 }

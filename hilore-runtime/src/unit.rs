@@ -105,7 +105,8 @@ pub fn registered_units() -> Vec<&'static UnitDescriptor> {
     message = "`{Self}` cannot be an input of a recovery unit: it cannot be replayed on recompute",
     label = "not replayable",
     note = "unit inputs must be tape values (`Var`, `&Var`, `&[Var]`), `Copy` configuration, or replayable metadata such as `&Packing`",
-    note = "move owned or mutable state into the module (`&self`), or pass it as a `Var`"
+    note = "move owned or mutable state into the module (`&self`), or pass it as a `Var`",
+    note = "a list of tape values is taken as `&[Var]`, not `Vec<Var>`; an optional weight (a bias) is best a field of the module, read through `&self`"
 )]
 pub trait Replayable {
     /// What the unit keeps to replay this input.
@@ -250,6 +251,12 @@ impl<A: UnitOutput, B: UnitOutput, C: UnitOutput> UnitOutput for (A, B, C) {
 }
 
 /// A unit's cost expression value (any number type).
+#[diagnostic::on_unimplemented(
+    message = "the `cost` of a recovery unit must be a number, not `{Self}`",
+    label = "the cost expression's value",
+    note = "`#[recovery_unit(cost = <expr>)]` takes usize, u64, u32, i64, i32, f64 or f32: an estimate of the unit's work (e.g. FLOPs), read by the allocator's cost model",
+    note = "`?` works inside it (`cost = 2 * x.dim(0)? * w.dim(1)?`); convert other types with `as f64`"
+)]
 pub trait IntoCost {
     /// As `f64`.
     fn into_cost(self) -> f64;
