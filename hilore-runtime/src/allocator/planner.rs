@@ -39,23 +39,18 @@
 //! plan and applies, one at a time, the change of one group (another whole choice, opening
 //! it, or one child's fidelity) that saves the most predicted time among those whose exact
 //! peak still fits and whose risk stays within what the step's risk budget leaves. The
-//! capacity bisection lands where the DP's plan fits, which on the bench decoder was at
-//! about half the capacity the additive model offers and left up to 1.3 MiB of the
-//! budget unused per microbatch; the search spends it (on that decoder HiLoRe's predicted
-//! recompute + codec time per step fell from 0.63 s to 0.36-0.43 s over three runs at the
-//! same budget and risk target). It is bounded to 32 new simulations per microbatch (on
-//! the bench decoder 94% of the changes it took came within its first 32 simulations,
-//! 82% within 4), a change whose plan did not fit is not simulated again in the same
-//! search, and simulated peaks are shared between the microbatches of a step (keyed by
-//! every instance's fidelity; the simulator takes those directly, without a [`Plan`]), so
-//! it stays a small part of the solve time: the whole solve, the greedy starts below
-//! included, took 33-42 ms per step of 17 microbatches there (0.7% of the step).
+//! capacity bisection lands where the DP's plan fits, which can be well below the
+//! capacity the additive model offers and leaves part of the budget unused per
+//! microbatch; the search spends it. It is bounded to 32 new simulations per microbatch
+//! (most changes it takes come early), a change whose plan did not fit is not simulated
+//! again in the same search, and simulated peaks are shared between the microbatches of
+//! a step (keyed by every instance's fidelity; the simulator takes those directly,
+//! without a [`Plan`]), so it stays a small part of the solve time.
 //!
 //! The search only moves one group at a time, so it cannot leave the shape of the plan it
-//! starts from. Where the budget is tight the knapsack's plan can be of a slow shape (on
-//! the bench decoder at 1.05 x full recompute's peak: a few instances compressed and many
-//! recomputed, 1.45 s of predicted overhead per step, where the greedy by cost per byte
-//! found 0.90 s with most instances compressed). So the search also starts from the
+//! starts from. Where the budget is tight the knapsack's plan can be of a slow shape (a
+//! few instances compressed and many recomputed, where a greedy by cost per byte finds a
+//! faster plan with most instances compressed). So the search also starts from the
 //! greedy's plans: from every instance stored, the change of one group that adds the least
 //! `seconds + lambda * risk` per byte saved, with the step's multiplier `lambda` and with
 //! none (the Adacc-style order), within the risk the step leaves the microbatch, until the

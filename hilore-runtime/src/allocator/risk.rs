@@ -22,8 +22,8 @@
 //! independent rounding noise, and two microbatches are different data, so their
 //! gradient errors are independent: the error of a step is about
 //! `sqrt(sum over compressed instances and microbatches of r^2)`. (A plain sum is a
-//! triangle-inequality bound; with many units compressed it overstates the error about
-//! threefold, with few of them hardly at all, so its slack depended on the plan mix: a
+//! triangle-inequality bound; it overstates the error more the more units are
+//! compressed, so its slack depended on the plan mix: a
 //! tight budget that forces a few lossy units into the microbatches that carry the
 //! update then overshot the target.) The allocator's knapsack therefore carries squared
 //! risks, which are additive. The microbatches' own gradients are independent too (GRPO
