@@ -1,20 +1,9 @@
-//! `hilore`: activation-memory management for the GRPO actor update.
+//! The `hilore` command line: parses the arguments and calls the library.
 
-mod alloc;
-mod bench;
-mod bench_tape;
-mod check;
-mod codecs;
-mod coefficients;
-mod common;
-mod compare;
-mod export;
-mod plot;
-mod score;
-mod tasks;
-mod tokenizer;
-mod train;
-mod units;
+use hilore::{
+    alloc, bench, bench_tape, check, codecs, coefficients, common, compare, export, score, train,
+    units,
+};
 
 use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
 use std::process::ExitCode;
