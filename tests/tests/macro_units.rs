@@ -67,16 +67,23 @@ fn broken(cx: &mut Cx, x: &Var, w: &Var) -> Result<Var> {
 }
 
 /// Wrongly marked `deterministic`: reads and bumps a counter, so a recompute computes
-/// something else than the forward did. The recompute check must catch it.
+/// something else than the forward did. The bump goes through a helper method, which the
+/// compile-time check cannot see into (a direct `self.calls.set(..)` would not compile);
+/// the run-time recompute check must catch it.
 struct Drifting {
     calls: Cell<u32>,
 }
 
 impl Drifting {
-    #[recovery_unit(cost = x.elem_count(), deterministic, name = "drifting")]
-    fn forward(&self, cx: &mut Cx, x: &Var) -> Result<Var> {
+    fn bump(&self) -> u32 {
         let n = self.calls.get();
         self.calls.set(n + 1);
+        n
+    }
+
+    #[recovery_unit(cost = x.elem_count(), deterministic, name = "drifting")]
+    fn forward(&self, cx: &mut Cx, x: &Var) -> Result<Var> {
+        let n = self.bump();
         let h = cx.mul(x, x)?;
         cx.scale(&h, 1.0 + n as f64)
     }
