@@ -41,6 +41,7 @@
 extern crate self as hilore_runtime;
 
 pub mod allocator;
+pub mod check;
 mod encoding;
 mod error;
 mod fidelity;

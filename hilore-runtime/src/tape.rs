@@ -149,6 +149,11 @@ pub struct UnitInstanceInfo {
     pub fidelity: Fidelity,
     /// The value of its cost expression.
     pub cost: f64,
+    /// Whether the unit is declared `deterministic` (may be recomputed).
+    pub deterministic: bool,
+    /// The codecs it allows under Compress (`None`: every codec).
+    #[serde(skip)]
+    pub codecs: Option<&'static [&'static str]>,
     /// Ops it recorded (nested units' included).
     pub ops: usize,
 }
@@ -296,6 +301,8 @@ impl<'m> Cx<'m> {
                 parent: u.parent,
                 fidelity: u.fidelity,
                 cost: u.cost,
+                deterministic: u.desc.deterministic,
+                codecs: u.desc.codecs,
                 ops: u.end_node - u.first_node,
             })
             .collect()

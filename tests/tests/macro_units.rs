@@ -697,6 +697,58 @@ fn a_plan_naming_a_name_two_units_share_is_refused_naming_both() -> Result<()> {
     run(Plan::store_all())
 }
 
+/// The library's recovery check on a model of this file: every exact plan bit-identical,
+/// every codec's error bounded and nonzero; a unit that drifts fails it.
+#[test]
+fn check_recovery_passes_a_deterministic_model_and_fails_a_drifting_one() -> Result<()> {
+    use hilore_runtime::check::check_recovery;
+    let blocks = stack(2)?;
+    let x = input()?;
+    let seed = seed_like(&x)?;
+    let params: Vec<Var> = blocks
+        .iter()
+        .flat_map(|b| b.params().map(|p| p.clone()))
+        .collect();
+    let report = check_recovery(
+        |cx| {
+            let mut h = x.clone();
+            for b in &blocks {
+                h = b.forward(cx, &h)?;
+            }
+            Ok(h)
+        },
+        &params,
+        &seed,
+    )?;
+    assert!(report.exact_plans_bit_identical(), "{report:?}");
+    let plans: Vec<&str> = report.rows.iter().map(|r| r.plan.as_str()).collect();
+    for want in [
+        "store-all",
+        "recompute block",
+        "recompute mlp",
+        "recompute-all",
+    ] {
+        assert!(plans.contains(&want), "{plans:?}");
+    }
+    for r in report.rows.iter().filter(|r| !r.exact) {
+        // Lossy codecs move the gradient, by about their error on the saved
+        // activations: the coarsest, int4 (absolute error uniform in +-absmax / 14 per
+        // group), has RMS error absmax / (14 sqrt 3) ~ 0.087 sigma on Gaussian groups of
+        // 32 (absmax ~ 2.1 sigma); each gradient is linear in the saved values, so its
+        // relative error is of that order, and 0.2 leaves a 2x margin. 0 would mean the
+        // codec was not applied.
+        assert!(r.rel_l2 > 0.0 && r.rel_l2 < 0.2, "{}: {}", r.plan, r.rel_l2);
+    }
+    let m = Drifting {
+        calls: Cell::new(0),
+    };
+    let xv = Var::param(Tensor::randn(0f32, 1.0, (2, 3), &Device::Cpu)?);
+    let s = Tensor::randn(0f32, 1.0, (2, 3), &Device::Cpu)?;
+    let report = check_recovery(|cx| m.forward(cx, &xv), std::slice::from_ref(&xv), &s)?;
+    assert!(!report.exact_plans_bit_identical(), "{report:?}");
+    Ok(())
+}
+
 #[test]
 fn units_run_unrecorded_under_inference() -> Result<()> {
     let blocks = stack(1)?;
