@@ -24,10 +24,60 @@
 
 mod checkpoint;
 mod eval;
-mod optimizer;
-mod rollout;
+pub mod optimizer;
+pub mod rollout;
 mod sft;
-mod update;
+pub mod update;
+
+/// What the actor update ([`update::actor_update`]) and the optimizer
+/// ([`optimizer::AdamW`]) need from a policy: its batches, the token log-probs of a batch
+/// on the tape, and its parameters by name. The built-in decoder and every zoo model
+/// implement it; a model of one's own does by giving these four.
+pub trait ActorModel {
+    /// The packed batch of `seqs` (prompt and response tokens each; the targets are the
+    /// next tokens), with whatever per-row tables the model reads (positions, RoPE).
+    fn batch(&self, seqs: &[Vec<u32>]) -> anyhow::Result<hilore_models::TokenBatch>;
+
+    /// The log-prob of every target of `batch` (`[N]`), recorded on `cx` so its
+    /// recovery units take the plan's fidelities.
+    fn token_logprobs<'m>(
+        &'m self,
+        cx: &mut hilore_runtime::Cx<'m>,
+        batch: &hilore_models::TokenBatch,
+    ) -> hilore_runtime::Result<hilore_runtime::Var>;
+
+    /// Every trainable parameter with its name, in a fixed order.
+    fn named_params(&self) -> Vec<(String, hilore_runtime::Var)>;
+
+    /// The same parameters, mutably, in the same order (the optimizer's step).
+    fn named_params_mut(&mut self) -> Vec<(String, &mut hilore_runtime::Var)>;
+}
+
+impl ActorModel for Decoder {
+    fn batch(&self, seqs: &[Vec<u32>]) -> anyhow::Result<hilore_models::TokenBatch> {
+        Ok(hilore_models::TokenBatch::from_sequences(
+            seqs,
+            self.config(),
+            self.head_weight().device(),
+        )?)
+    }
+
+    fn token_logprobs<'m>(
+        &'m self,
+        cx: &mut hilore_runtime::Cx<'m>,
+        batch: &hilore_models::TokenBatch,
+    ) -> hilore_runtime::Result<hilore_runtime::Var> {
+        Decoder::token_logprobs(self, cx, batch)
+    }
+
+    fn named_params(&self) -> Vec<(String, hilore_runtime::Var)> {
+        Decoder::named_params(self)
+    }
+
+    fn named_params_mut(&mut self) -> Vec<(String, &mut hilore_runtime::Var)> {
+        Decoder::named_params_mut(self)
+    }
+}
 
 use crate::common::human_bytes;
 use crate::tasks::{Example, Task, TaskSpec, TASK_NAMES};

@@ -5,9 +5,9 @@
 //! for bit) and its state is two `f32` buffers per parameter, counted exactly by
 //! [`AdamW::optimizer_state_bytes`].
 
+use super::ActorModel;
 use anyhow::{bail, Context};
 use candle_core::Tensor;
-use hilore_models::Decoder;
 use hilore_runtime::Grads;
 
 /// AdamW's hyper-parameters.
@@ -24,7 +24,7 @@ pub struct AdamWConfig {
 }
 
 /// The optimizer: the step count and the first and second moments of every parameter,
-/// in [`Decoder::named_params`] order.
+/// in [`ActorModel::named_params`] order.
 #[derive(Debug, Clone)]
 pub struct AdamW {
     pub cfg: AdamWConfig,
@@ -43,7 +43,7 @@ pub struct StepInfo {
 
 impl AdamW {
     /// Zero moments for every parameter of `model`.
-    pub fn new(cfg: AdamWConfig, model: &Decoder) -> Self {
+    pub fn new<M: ActorModel>(cfg: AdamWConfig, model: &M) -> Self {
         let state = model
             .named_params()
             .into_iter()
@@ -63,7 +63,11 @@ impl AdamW {
 
     /// One step on `model` from the accumulated `grads` (a parameter no backward reached
     /// has a zero gradient).
-    pub fn step(&mut self, model: &mut Decoder, grads: &Grads) -> anyhow::Result<StepInfo> {
+    pub fn step<M: ActorModel>(
+        &mut self,
+        model: &mut M,
+        grads: &Grads,
+    ) -> anyhow::Result<StepInfo> {
         let mut params = model.named_params_mut();
         if params.len() != self.state.len() {
             bail!(

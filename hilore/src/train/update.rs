@@ -3,9 +3,10 @@
 
 use super::optimizer::AdamW;
 use super::rollout::Rollout;
+use super::ActorModel;
 use anyhow::Context;
 use candle_core::Tensor;
-use hilore_models::{Decoder, TokenBatch};
+use hilore_models::TokenBatch;
 use hilore_runtime::allocator::{
     MicrobatchInput, MicrobatchShape, OnlineAllocator, PassResult, Workload,
 };
@@ -131,15 +132,14 @@ pub(crate) struct Micro {
 impl Micro {
     /// Packs `seqs[i]` for `i` in `members`, training the targets after the first
     /// `prompt_lens[i]` tokens.
-    pub fn new(
-        model: &Decoder,
+    pub fn new<M: ActorModel>(
+        model: &M,
         seqs: &[Vec<u32>],
         prompt_lens: &[usize],
         members: &[usize],
     ) -> anyhow::Result<Self> {
         let picked: Vec<Vec<u32>> = members.iter().map(|&i| seqs[i].clone()).collect();
-        let batch =
-            TokenBatch::from_sequences(&picked, model.config(), model.head_weight().device())?;
+        let batch = model.batch(&picked)?;
         let mut targets = Vec::with_capacity(members.len());
         let mut row = 0;
         for &i in members {
@@ -152,8 +152,8 @@ impl Micro {
 
     /// [`Micro::new`], padded with one untrained sequence to a multiple of `quantum` rows
     /// (its rows get coefficient 0, so the gradient is unchanged).
-    pub fn padded(
-        model: &Decoder,
+    pub fn padded<M: ActorModel>(
+        model: &M,
         seqs: &[Vec<u32>],
         prompt_lens: &[usize],
         members: &[usize],
@@ -166,8 +166,7 @@ impl Micro {
         }
         let mut picked: Vec<Vec<u32>> = members.iter().map(|&i| seqs[i].clone()).collect();
         picked.push(vec![0; pad + 1]);
-        let batch =
-            TokenBatch::from_sequences(&picked, model.config(), model.head_weight().device())?;
+        let batch = model.batch(&picked)?;
         let mut targets = Vec::with_capacity(members.len());
         let mut row = 0;
         for &i in members {
@@ -200,12 +199,12 @@ impl Micro {
 }
 
 /// A step's microbatches as the allocator sees them.
-struct StepWorkload<'a> {
-    model: &'a Decoder,
+struct StepWorkload<'a, M> {
+    model: &'a M,
     micros: Vec<(Micro, Tensor, MicrobatchInput)>,
 }
 
-impl<'a> StepWorkload<'a> {
+impl<'a, M: ActorModel> StepWorkload<'a, M> {
     fn pass(&self, i: usize, cx: &mut Cx<'a>) -> hilore_runtime::Result<(Grads, f64)> {
         let (micro, seed, _) = &self.micros[i];
         let t0 = Instant::now();
@@ -217,7 +216,7 @@ impl<'a> StepWorkload<'a> {
     }
 }
 
-impl Workload for StepWorkload<'_> {
+impl<M: ActorModel> Workload for StepWorkload<'_, M> {
     fn len(&self) -> usize {
         self.micros.len()
     }
@@ -301,9 +300,9 @@ struct EpochMemory {
 /// step); `first_visit` is true in the first epoch, when these sequences' reference
 /// log-probs (and, for the rollout's first step, their old log-probs) are recorded.
 #[allow(clippy::too_many_arguments)]
-fn epoch_grads(
-    m: &Decoder,
-    reference: Option<&Decoder>,
+fn epoch_grads<M: ActorModel>(
+    m: &M,
+    reference: Option<&M>,
     r: &Rollout,
     advantages: &[f32],
     weights: &[f32],
@@ -473,9 +472,9 @@ struct EpochGrads {
 }
 
 /// `mu` epochs over the rollout's sequences, one optimizer step per epoch.
-pub fn actor_update(
-    model: &mut Decoder,
-    reference: Option<&Decoder>,
+pub fn actor_update<M: ActorModel>(
+    model: &mut M,
+    reference: Option<&M>,
     opt: &mut AdamW,
     r: &Rollout,
     advantages: &[f32],
@@ -569,7 +568,7 @@ pub fn actor_update(
 mod tests {
     use super::*;
     use candle_core::Device;
-    use hilore_models::DecoderConfig;
+    use hilore_models::{Decoder, DecoderConfig};
     use hilore_runtime::grpo::advantages as group_advantages;
 
     /// Skipping the zero-exposure sequences leaves the gradient unchanged up to f32
