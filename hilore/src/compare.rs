@@ -19,9 +19,10 @@
 //! comparison says nothing about the lossy fidelities; the report's fidelity counts (unit
 //! instances per step stored, compressed, recomputed) show which case a run is in.
 
-use anyhow::Context;
+use crate::stats::Paired;
+use anyhow::{bail, Context};
 use clap::Args;
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use std::path::PathBuf;
 use std::process::{Command, ExitCode};
 
@@ -42,9 +43,15 @@ pub const DEFAULT_TRAIN_ARGS: [(&str, &str); 11] = [
 
 #[derive(Args)]
 pub struct CompareArgs {
-    /// Seeds to run (each: GC and HiLoRe).
-    #[arg(long, value_delimiter = ',', default_value = "0,1,2")]
-    seeds: Vec<u64>,
+    /// Seeds to run (each: GC and HiLoRe); default 0,1,2, or none with --merge.
+    #[arg(long, value_delimiter = ',')]
+    seeds: Option<Vec<u64>>,
+    /// Earlier `compare --json` reports to merge with this run (comma-separated): their
+    /// runs count as if run here. They must have the same train arguments; a seed in
+    /// several files, or in a file and --seeds, counts once (the first file's runs) and
+    /// is not run again.
+    #[arg(long, value_delimiter = ',', value_name = "FILE,...")]
+    merge: Vec<PathBuf>,
     /// Write the result as JSON to FILE.
     #[arg(long, value_name = "FILE")]
     json: Option<PathBuf>,
@@ -60,12 +67,18 @@ pub struct CompareArgs {
     train_args: Vec<String>,
 }
 
-#[derive(Serialize, Clone)]
+#[derive(Serialize, Deserialize, Clone)]
 struct RunSummary {
     seed: u64,
     policy: String,
     heldout_accuracy_before: f64,
     heldout_accuracy_after: f64,
+    /// Greedy held-out accuracy (no sampling noise), after the warm start and after GRPO.
+    /// Absent in reports written before it existed.
+    #[serde(default = "nan")]
+    heldout_greedy_accuracy_before: f64,
+    #[serde(default = "nan")]
+    heldout_greedy_accuracy_after: f64,
     update_tokens_per_s: f64,
     peak_activation_bytes: u64,
     /// Parameters + gradients + AdamW state (16 bytes per parameter).
@@ -89,6 +102,13 @@ struct Report {
     paired_diff_pp_mean: f64,
     /// Sample standard deviation over seeds.
     paired_diff_pp_std: f64,
+    /// The paired difference of sampled held-out accuracy (pp): mean, standard error,
+    /// 95% interval (Student's t), sign test.
+    sampled: Paired,
+    /// The same for greedy held-out accuracy (absent when a merged report lacks it).
+    greedy: Option<Paired>,
+    /// The reports merged into this one.
+    merged_from: Vec<String>,
     gc_update_tokens_per_s: Vec<f64>,
     hilore_update_tokens_per_s: Vec<f64>,
     /// Means over seeds of the actor-update tokens/s.
@@ -180,6 +200,8 @@ fn run_one(
         policy: policy.to_string(),
         heldout_accuracy_before: f("heldout_accuracy_before"),
         heldout_accuracy_after: f("heldout_accuracy_after"),
+        heldout_greedy_accuracy_before: f("heldout_greedy_accuracy_before"),
+        heldout_greedy_accuracy_after: f("heldout_greedy_accuracy_after"),
         update_tokens_per_s: f("update_tokens_per_s"),
         peak_activation_bytes: peak,
         state_bytes: state,
@@ -191,30 +213,119 @@ fn run_one(
     })
 }
 
+fn nan() -> f64 {
+    f64::NAN
+}
+
+/// The runs of earlier reports, in file order, each seed's pair once; errors when a file
+/// was made with other train arguments or lacks a seed's pair.
+fn merged_runs(
+    files: &[PathBuf],
+    train_args: &[String],
+) -> anyhow::Result<Vec<(RunSummary, RunSummary)>> {
+    #[derive(Deserialize)]
+    struct Earlier {
+        runs: Vec<RunSummary>,
+        train_args: Vec<String>,
+    }
+    let mut pairs: Vec<(RunSummary, RunSummary)> = Vec::new();
+    let mut from: Vec<String> = Vec::new();
+    for f in files {
+        let text = hilore_models::read_text_file(f)
+            .with_context(|| format!("reading --merge {}", f.display()))?;
+        let e: Earlier = serde_json::from_str(&text)
+            .with_context(|| format!("{}: not a `hilore compare --json` report", f.display()))?;
+        if e.train_args != train_args {
+            bail!(
+                "{}: made with other train arguments ({}) than this comparison ({}); merge only reports of the same settings",
+                f.display(),
+                e.train_args.join(" "),
+                train_args.join(" ")
+            );
+        }
+        let mut seeds: Vec<u64> = e.runs.iter().map(|r| r.seed).collect();
+        seeds.dedup();
+        for seed in seeds {
+            let of = |p: &str| {
+                e.runs
+                    .iter()
+                    .find(|r| r.seed == seed && r.policy == p)
+                    .cloned()
+            };
+            let (Some(gc), Some(h)) = (of("recompute"), of("hilore")) else {
+                bail!("{}: seed {seed} lacks one of its two runs", f.display());
+            };
+            if let Some(i) = pairs.iter().position(|(a, _)| a.seed == seed) {
+                eprintln!(
+                    "note: seed {seed} is in {} and {}: counted once, from {}",
+                    from[i],
+                    f.display(),
+                    from[i]
+                );
+                continue;
+            }
+            pairs.push((gc, h));
+            from.push(f.display().to_string());
+        }
+    }
+    Ok(pairs)
+}
+
 pub fn run(args: CompareArgs) -> anyhow::Result<ExitCode> {
-    anyhow::ensure!(!args.seeds.is_empty(), "--seeds needs at least one seed");
     let dir = match &args.dir {
         Some(d) => d.clone(),
         None => std::env::temp_dir().join(format!("hilore-compare-{}", std::process::id())),
     };
     std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
     let train_args = with_defaults(&args.train_args);
-    let mut runs = Vec::new();
-    let (mut gc, mut hil, mut gct, mut hit, mut diff) =
-        (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
-    for &seed in &args.seeds {
+    let mut pairs = merged_runs(&args.merge, &train_args)?;
+    let seeds = match &args.seeds {
+        Some(s) => s.clone(),
+        None if args.merge.is_empty() => vec![0, 1, 2],
+        None => Vec::new(),
+    };
+    for &seed in &seeds {
+        if pairs.iter().any(|(a, _)| a.seed == seed) {
+            eprintln!("note: seed {seed} is in a merged report: not run again");
+            continue;
+        }
         eprintln!("seed {seed}: full recompute");
         let a = run_one(seed, "recompute", &dir, &train_args)?;
         eprintln!("seed {seed}: hilore");
         let b = run_one(seed, "hilore", &dir, &train_args)?;
+        pairs.push((a, b));
+    }
+    anyhow::ensure!(
+        !pairs.is_empty(),
+        "nothing to compare: give --seeds, or --merge reports that hold runs"
+    );
+    let mut runs = Vec::new();
+    let (mut gc, mut hil, mut gct, mut hit, mut diff, mut greedy) = (
+        Vec::new(),
+        Vec::new(),
+        Vec::new(),
+        Vec::new(),
+        Vec::new(),
+        Vec::new(),
+    );
+    let mut seeds = Vec::new();
+    for (a, b) in pairs {
+        seeds.push(a.seed);
         gc.push(a.heldout_accuracy_after);
         hil.push(b.heldout_accuracy_after);
         gct.push(a.update_tokens_per_s);
         hit.push(b.update_tokens_per_s);
         diff.push(100.0 * (b.heldout_accuracy_after - a.heldout_accuracy_after));
+        greedy.push(100.0 * (b.heldout_greedy_accuracy_after - a.heldout_greedy_accuracy_after));
         runs.push(a);
         runs.push(b);
     }
+    let sampled = Paired::of(&diff)?;
+    let greedy = if greedy.iter().all(|g| g.is_finite()) {
+        Some(Paired::of(&greedy)?)
+    } else {
+        None
+    };
     let n = diff.len() as f64;
     let mean = diff.iter().sum::<f64>() / n;
     let std = if diff.len() > 1 {
@@ -232,12 +343,15 @@ pub fn run(args: CompareArgs) -> anyhow::Result<ExitCode> {
         gc_instances_per_step: Fidelities::mean_of(&gc_runs),
         gc_ledger_share: gc_runs.iter().map(|r| r.ledger_share).sum::<f64>()
             / gc_runs.len().max(1) as f64,
-        seeds: args.seeds.clone(),
+        seeds,
         gc_accuracy: gc,
         hilore_accuracy: hil,
         paired_diff_pp: diff,
         paired_diff_pp_mean: mean,
         paired_diff_pp_std: std,
+        sampled,
+        greedy,
+        merged_from: args.merge.iter().map(|p| p.display().to_string()).collect(),
         gc_update_tokens_per_s: gct,
         hilore_update_tokens_per_s: hit,
         runs,
@@ -283,12 +397,17 @@ pub fn run(args: CompareArgs) -> anyhow::Result<ExitCode> {
         report.gc_update_tokens_per_s_mean,
         report.hilore_update_tokens_per_s_mean
     );
-    println!(
-        "paired held-out accuracy difference (HiLoRe - GC): {:+.2} pp mean, {:.2} pp std over {} seeds",
-        mean,
-        std,
-        report.seeds.len()
-    );
+    let line = |what: &str, p: &Paired| {
+        println!(
+            "paired {what} held-out accuracy difference (HiLoRe - GC) over {} seeds: {:+.2} pp mean, standard error {:.2} pp, 95% interval {:+.2} to {:+.2} pp; {} up / {} down / {} equal, sign test p = {:.3}",
+            p.n, p.mean, p.se, p.ci95_low, p.ci95_high, p.positive, p.negative, p.zero, p.sign_test_p
+        )
+    };
+    line("sampled", &report.sampled);
+    match &report.greedy {
+        Some(g) => line("greedy", g),
+        None => println!("greedy held-out accuracy: not in every merged report"),
+    }
     if let Some(p) = &args.json {
         hilore_models::atomic::write_bytes_atomic(
             p,

@@ -23,6 +23,7 @@ pub mod compare;
 pub mod export;
 pub mod plot;
 pub mod score;
+pub mod stats;
 pub mod tasks;
 pub mod tokenizer;
 pub mod train;

@@ -218,5 +218,68 @@ fn compare_runs_paired_training() {
     assert_eq!(v["gc_accuracy"].as_array().unwrap().len(), 2);
     let runs = v["runs"].as_array().unwrap();
     assert!(runs.iter().any(|r| r["policy"] == "hilore"));
+    // The statistics of the paired differences, sampled and greedy, from the per-seed
+    // values in the same report.
+    let diffs: Vec<f64> = v["paired_diff_pp"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_f64().unwrap())
+        .collect();
+    let mean = (diffs[0] + diffs[1]) / 2.0;
+    assert!((v["sampled"]["mean"].as_f64().unwrap() - mean).abs() < 1e-9);
+    assert_eq!(v["sampled"]["n"], 2);
+    for key in ["se", "ci95_low", "ci95_high", "sign_test_p"] {
+        assert!(
+            v["sampled"][key].is_number(),
+            "sampled.{key}: {}",
+            v["sampled"]
+        );
+    }
+    assert_eq!(v["greedy"]["n"], 2);
+    // Merging: the report and one new seed; seed 1 is in the report, so it is not run
+    // again and counts once.
+    let json2 = dir.join("merged.json");
+    let args = |out: &std::path::Path, seeds: &str, merge: &std::path::Path| -> Vec<String> {
+        [
+            "compare",
+            "--seeds",
+            seeds,
+            "--merge",
+            path(merge),
+            "--json",
+            path(out),
+            "--dir",
+            path(&dir),
+            "--",
+            "--steps",
+            "2",
+            "--prompts",
+            "8",
+            "--sft-steps",
+            "20",
+            "--heldout",
+            "10",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect()
+    };
+    run_ok(&args(&json2, "1,2", &json));
+    let m: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json2).unwrap()).unwrap();
+    assert_eq!(m["seeds"], serde_json::json!([0, 1, 2]));
+    assert_eq!(m["sampled"]["n"], 3);
+    assert_eq!(m["paired_diff_pp"][0], v["paired_diff_pp"][0]);
+    // A report of other settings is refused, naming the file.
+    let other = dir.join("other.json");
+    let mut o = v.clone();
+    o["train_args"] = serde_json::json!(["--steps", "99"]);
+    std::fs::write(&other, o.to_string()).unwrap();
+    let err = support::run_refused(&args(&json2, "3", &other));
+    assert!(
+        err.contains("other train arguments") && err.contains("other.json"),
+        "{err}"
+    );
     std::fs::remove_dir_all(&dir).ok();
 }
