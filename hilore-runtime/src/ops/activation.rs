@@ -7,7 +7,7 @@ use crate::{Cx, Error, Result, Var};
 use candle_core::Tensor;
 
 /// `sigmoid(x) = 1 / (1 + exp(-x))`; saturates to 0 (not NaN) for very negative `x`.
-fn sigmoid(x: &Tensor) -> Result<Tensor> {
+pub(crate) fn sigmoid(x: &Tensor) -> Result<Tensor> {
     Ok(x.neg()?.exp()?.affine(1.0, 1.0)?.recip()?)
 }
 

@@ -44,8 +44,11 @@ const SQRT_2_OVER_PI: f64 = 0.797_884_560_802_865_4;
 /// The cubic coefficient of GELU's tanh form.
 const GELU_CUBIC: f64 = 0.044_715;
 
-fn sigmoid(x: &Tensor) -> Result<Tensor> {
-    Ok(x.neg()?.exp()?.affine(1.0, 1.0)?.recip()?)
+use super::activation::sigmoid;
+
+/// GELU's tanh argument, `sqrt(2/pi) (x + 0.044715 x^3)`.
+fn gelu_tanh_arg(x: &Tensor) -> Result<Tensor> {
+    Ok((x + x.powf(3.0)?.affine(GELU_CUBIC, 0.0)?)?.affine(SQRT_2_OVER_PI, 0.0)?)
 }
 
 /// The standard normal CDF `(1 + erf(x / sqrt 2)) / 2`.
@@ -62,10 +65,7 @@ impl Unary {
             Unary::Tanh => x.tanh()?,
             Unary::Sigmoid => sigmoid(x)?,
             Unary::GeluErf => (x * normal_cdf(x)?)?,
-            Unary::GeluTanh => {
-                let u = (x + x.powf(3.0)?.affine(GELU_CUBIC, 0.0)?)?.affine(SQRT_2_OVER_PI, 0.0)?;
-                (x * u.tanh()?.affine(0.5, 0.5)?)?
-            }
+            Unary::GeluTanh => (x * gelu_tanh_arg(x)?.tanh()?.affine(0.5, 0.5)?)?,
         })
     }
 
@@ -89,8 +89,7 @@ impl Unary {
             }
             // 0.5 (1 + tanh u) + 0.5 x (1 - tanh^2 u) u', u' = sqrt(2/pi) (1 + 3 c x^2).
             Unary::GeluTanh => {
-                let u = (x + x.powf(3.0)?.affine(GELU_CUBIC, 0.0)?)?.affine(SQRT_2_OVER_PI, 0.0)?;
-                let t = u.tanh()?;
+                let t = gelu_tanh_arg(x)?.tanh()?;
                 let du = x
                     .sqr()?
                     .affine(3.0 * GELU_CUBIC * SQRT_2_OVER_PI, SQRT_2_OVER_PI)?;
