@@ -382,3 +382,48 @@ fn exact_plans_are_optimal_at_every_budget() {
         assert!(d.predicted_total_bytes <= budget);
     }
 }
+
+/// A memory budget only compression reaches (recompute is not offered, as for a model
+/// whose units are not deterministic), with a risk budget smaller than any compressed
+/// plan carries: `Error::InfeasibleRisk` with the least risk that fits, and asking for
+/// that risk plans.
+#[test]
+fn infeasible_risk_names_the_least_risk_that_fits() {
+    let m = model(&Device::Cpu);
+    let a = allocator(&m);
+    let compress_only = Offer {
+        codecs: vec![CODEC],
+        recompute: false,
+        open_groups: true,
+    };
+    let store = measured_peak(&m, &Plan::store_all());
+    let (least, _) = a.least_memory(&compress_only).unwrap();
+    assert!(
+        least < store,
+        "compression must reach below store-all: {least} vs {store}"
+    );
+    let budget = STATE.total() + (least + store) / 2;
+    let mb = unit_exposure();
+    let err = a.plan(&mb, budget, 0.0, &compress_only).unwrap_err();
+    let least_risk = match &err {
+        hilore_runtime::Error::InfeasibleRisk { budget, least_risk } => {
+            assert_eq!(*budget, 0.0);
+            assert!(*least_risk > 0.0, "{err}");
+            *least_risk
+        }
+        other => panic!("not InfeasibleRisk: {other}"),
+    };
+    assert!(
+        err.to_string().contains("least risk any plan that fits"),
+        "{err}"
+    );
+    // The figure is what a plan within the budget reaches: asking for it plans, and the
+    // plan carries no more.
+    let d = a.plan(&mb, budget, least_risk, &compress_only).unwrap();
+    assert!(d.predicted_total_bytes <= budget);
+    assert!(
+        d.predicted_risk <= least_risk,
+        "{} > {least_risk}",
+        d.predicted_risk
+    );
+}

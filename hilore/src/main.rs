@@ -104,13 +104,7 @@ fn main() -> ExitCode {
     };
     // The flags given on the command line, which `train --grpo-config` leaves alone.
     if let (Command::Train(a), Some(("train", sub))) = (&mut cli.command, matches.subcommand()) {
-        a.explicit = sub
-            .ids()
-            .filter(|id| {
-                sub.value_source(id.as_str()) == Some(clap::parser::ValueSource::CommandLine)
-            })
-            .map(|id| id.to_string())
-            .collect();
+        a.explicit = train::explicit_ids(sub);
     }
     if let Err(e) = common::select_device(cli.device) {
         eprintln!("error: {e:#}");

@@ -105,6 +105,25 @@ pub fn sign_test(pos: usize, neg: usize) -> f64 {
     (2.0 * tail).min(1.0)
 }
 
+/// The least-squares slope of `ys` on `xs` (same length, at least two distinct `xs`):
+/// `sum (x - mean x)(y - mean y) / sum (x - mean x)^2`. A trend test over paired runs
+/// takes one slope per seed and summarises the slopes with [`Paired::of`]: the seeds are
+/// independent, the levels within a seed are not.
+pub fn slope(xs: &[f64], ys: &[f64]) -> anyhow::Result<f64> {
+    anyhow::ensure!(
+        xs.len() == ys.len() && xs.len() >= 2,
+        "a slope needs two or more (x, y) points of equal count ({} x, {} y)",
+        xs.len(),
+        ys.len()
+    );
+    let n = xs.len() as f64;
+    let (mx, my) = (xs.iter().sum::<f64>() / n, ys.iter().sum::<f64>() / n);
+    let sxx: f64 = xs.iter().map(|x| (x - mx).powi(2)).sum();
+    anyhow::ensure!(sxx > 0.0, "a slope needs two distinct x values");
+    let sxy: f64 = xs.iter().zip(ys).map(|(x, y)| (x - mx) * (y - my)).sum();
+    Ok(sxy / sxx)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -126,6 +145,18 @@ mod tests {
         assert!(Paired::of(&[1.0, f64::NAN]).is_err());
         let one = Paired::of(&[0.5]).unwrap();
         assert!(one.ci95_low.is_infinite() && one.ci95_high.is_infinite());
+    }
+
+    #[test]
+    fn slope_of_a_line_and_of_noise() {
+        // y = 2 - 0.5 x exactly.
+        let xs = [-2.5, -2.0, -1.5];
+        let ys: Vec<f64> = xs.iter().map(|x| 2.0 - 0.5 * x).collect();
+        assert!((slope(&xs, &ys).unwrap() + 0.5).abs() < 1e-12);
+        // (0,1), (1,0), (2,2): means 1, 1; sxy = (-1)(0) + 0 + (1)(1) = 1; sxx = 2.
+        assert!((slope(&[0.0, 1.0, 2.0], &[1.0, 0.0, 2.0]).unwrap() - 0.5).abs() < 1e-12);
+        assert!(slope(&[1.0, 1.0], &[0.0, 1.0]).is_err());
+        assert!(slope(&[1.0], &[0.0]).is_err());
     }
 
     #[test]

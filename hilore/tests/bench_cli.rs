@@ -283,3 +283,125 @@ fn compare_runs_paired_training() {
     );
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// `hilore compare --arms`: each arm paired with GC, the dose-response trend over two risk
+/// targets, and runs whose arithmetic does not depend on `--jobs` (an exact arm and GC
+/// give the same accuracies with one job of two threads and two jobs of one thread).
+#[test]
+fn compare_arms_give_a_dose_response_and_jobs_change_no_result() {
+    let dir = tmpdir("bench-test", "compare-arms");
+    let tiny = [
+        "--",
+        "--steps",
+        "2",
+        "--prompts",
+        "8",
+        "--sft-steps",
+        "20",
+        "--heldout",
+        "10",
+    ];
+    let compare = |json: &Path, seeds: &str, arms: &str, jobs: &str| {
+        let mut a: Vec<String> = [
+            "compare",
+            "--seeds",
+            seeds,
+            "--arms",
+            arms,
+            "--jobs",
+            jobs,
+            "--json",
+            path(json),
+            "--dir",
+            path(&dir),
+            "--no-progress",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        a.extend(tiny.iter().map(|s| s.to_string()));
+        run_ok(&a);
+        serde_json::from_str::<serde_json::Value>(&std::fs::read_to_string(json).unwrap()).unwrap()
+    };
+    let a = compare(
+        &dir.join("a.json"),
+        "0-1",
+        "hilore@3e-2,hilore@3e-3,compress-bf16",
+        "2",
+    );
+    let arms = a["arms"].as_array().unwrap();
+    let labels: Vec<&str> = arms.iter().map(|x| x["arm"].as_str().unwrap()).collect();
+    assert_eq!(labels, ["hilore@3e-2", "hilore@3e-3", "compress-bf16"]);
+    for arm in arms {
+        assert_eq!(arm["sampled"]["n"], 2, "{arm}");
+    }
+    // The first arm fills the fields reports had before arms.
+    assert_eq!(a["paired_diff_pp"], arms[0]["paired_diff_pp"]);
+    let d = &a["dose_response"];
+    assert_eq!(d["targets"], serde_json::json!([3e-3, 3e-2]));
+    assert_eq!(d["seeds"], serde_json::json!([0, 1]));
+    // log10(3e-2) - log10(3e-3) = 1 decade, so each seed's slope is its difference at
+    // 3e-2 minus its difference at 3e-3 (up to the rounding of two log10s, < 1e-12 of
+    // differences of at most 100 pp).
+    let col = |i: usize| -> Vec<f64> {
+        arms[i]["paired_diff_pp"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_f64().unwrap())
+            .collect()
+    };
+    let (hi, lo) = (col(0), col(1));
+    let want = ((hi[0] - lo[0]) + (hi[1] - lo[1])) / 2.0;
+    let got = d["slope_sampled_pp_per_decade"]["mean"].as_f64().unwrap();
+    assert!((got - want).abs() < 1e-9, "slope {got}, want {want}");
+    // One job of two threads: GC's and compress-bf16's accuracies of seed 0 bit for bit.
+    let b = compare(&dir.join("b.json"), "0", "compress-bf16", "1");
+    let acc = |v: &serde_json::Value, arm: &str| {
+        v["runs"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|r| r["seed"] == 0 && r.get("arm").unwrap_or(&r["policy"]) == arm)
+            .map(|r| {
+                (
+                    r["heldout_accuracy_after"].as_f64().unwrap().to_bits(),
+                    r["heldout_greedy_accuracy_after"]
+                        .as_f64()
+                        .unwrap()
+                        .to_bits(),
+                )
+            })
+            .unwrap()
+    };
+    for arm in ["recompute", "compress-bf16"] {
+        assert_eq!(
+            acc(&a, arm),
+            acc(&b, arm),
+            "{arm}: --jobs changed the result"
+        );
+    }
+    // The flags compare sets itself, and the reference as an arm, are refused.
+    let err = support::run_refused(&[
+        "compare",
+        "--seeds",
+        "0",
+        "--dir",
+        path(&dir),
+        "--",
+        "--policy",
+        "store",
+    ]);
+    assert!(err.contains("--policy after `--`"), "{err}");
+    let err = support::run_refused(&[
+        "compare",
+        "--seeds",
+        "0",
+        "--arms",
+        "recompute",
+        "--dir",
+        path(&dir),
+    ]);
+    assert!(err.contains("reference"), "{err}");
+    std::fs::remove_dir_all(&dir).ok();
+}

@@ -983,7 +983,7 @@ impl Allocator {
         let infeasible = |e: Infeasible| match e {
             Infeasible::Risk { min_risk, budget } => Error::InfeasibleRisk {
                 budget: budget.sqrt(),
-                least_risk: min_risk.sqrt(),
+                least_risk: sqrt_at_least(min_risk),
             },
             e => Error::Tape(e.to_string()),
         };
@@ -1485,4 +1485,15 @@ impl Allocator {
         }
         Ok(Some((path.swap_remove(hi), hi_peak)))
     }
+}
+
+/// The smallest `r` with `r * r >= x` (x >= 0, finite): the step keeps squared risks, so
+/// a risk figure reported to a caller must square back to at least the squared risk, or
+/// asking for exactly that figure would fail by a rounding.
+fn sqrt_at_least(x: f64) -> f64 {
+    let mut r = x.sqrt();
+    while r.is_finite() && r * r < x {
+        r = f64::from_bits(r.to_bits() + 1);
+    }
+    r
 }

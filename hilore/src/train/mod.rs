@@ -344,6 +344,11 @@ pub struct TrainArgs {
     /// times. Off: plans depend only on the calibration and the step's data.
     #[arg(long, help_heading = "Actor update")]
     refresh_costs: bool,
+    /// With --policy hilore: the target relative L2 error of each step's gradient, which
+    /// sets the allocator's risk budget (default 1e-2; 0 allows exact plans only: store
+    /// and recompute). `hilore compare --arms hilore@3e-3,...` runs several.
+    #[arg(long, value_name = "REL_L2", help_heading = "Actor update")]
+    target_rel_l2: Option<f64>,
     /// Most tokens (rows) per microbatch; one sequence must fit.
     #[arg(long, default_value_t = 1024, help_heading = "Actor update")]
     token_budget: usize,
@@ -394,6 +399,33 @@ pub struct TrainArgs {
     /// The flags given on the command line (clap ids), which a --grpo-config leaves alone.
     #[arg(skip)]
     pub explicit: Vec<String>,
+    /// No log lines on stdout (set by callers that run several trainings at once).
+    #[arg(skip)]
+    pub quiet: bool,
+}
+
+/// The ids of the flags in `m` given on the command line (not defaults): what a
+/// `--grpo-config` leaves alone.
+pub fn explicit_ids(m: &clap::ArgMatches) -> Vec<String> {
+    m.ids()
+        .filter(|id| m.value_source(id.as_str()) == Some(clap::parser::ValueSource::CommandLine))
+        .map(|id| id.to_string())
+        .collect()
+}
+
+/// `hilore train`'s arguments parsed from `argv` (the flags after `train`) as the command
+/// line parses them, negative numbers taken as values, with [`TrainArgs::explicit`] set:
+/// how `hilore compare` and a caller's own driver start trainings in-process.
+pub fn parse_args(argv: &[String]) -> anyhow::Result<TrainArgs> {
+    use clap::FromArgMatches;
+    let cmd = TrainArgs::augment_args(clap::Command::new("train").no_binary_name(true))
+        .allow_negative_numbers(true);
+    let m = cmd
+        .try_get_matches_from(argv)
+        .map_err(|e| anyhow::anyhow!("hilore train {}: {}", argv.join(" "), e.render()))?;
+    let mut a = TrainArgs::from_arg_matches(&m)?;
+    a.explicit = explicit_ids(&m);
+    Ok(a)
 }
 
 impl TrainArgs {
@@ -449,6 +481,10 @@ struct RunSettings {
     /// `--refresh-costs` (absent when off, as in checkpoints written before it existed).
     #[serde(default, skip_serializing_if = "is_false")]
     refresh_costs: bool,
+    /// `--target-rel-l2` (absent at the default, as in checkpoints written before it
+    /// existed).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    target_rel_l2: Option<f64>,
     token_budget: usize,
     skip_zero_exposure: bool,
     seed: u64,
@@ -630,7 +666,7 @@ fn stream_seed(seed: u64, name: &str) -> u64 {
 }
 
 /// The fidelity plan of `--policy`.
-fn policy_plan(policy: &str) -> anyhow::Result<Plan> {
+pub(crate) fn policy_plan(policy: &str) -> anyhow::Result<Plan> {
     match policy {
         "store" => Ok(plans::store_all()),
         "recompute" => Ok(plans::gradient_checkpointing()),
@@ -863,6 +899,17 @@ impl RunSettings {
                 a.policy
             );
         }
+        if let Some(t) = a.target_rel_l2 {
+            if a.policy != "hilore" {
+                bail!(
+                    "--target-rel-l2 sets the allocator's risk budget: it needs --policy hilore (the policy is `{}`)",
+                    a.policy
+                );
+            }
+            if !(t.is_finite() && t >= 0.0) {
+                bail!("--target-rel-l2 is {t}; it must be a finite relative error >= 0 (e.g. 1e-2; 0 for exact plans only)");
+            }
+        }
         if a.checkpoint_every == 0 {
             bail!("--checkpoint-every is 0; it must be at least 1");
         }
@@ -901,6 +948,11 @@ impl RunSettings {
             max_new_tokens,
             policy: a.policy.clone(),
             refresh_costs: a.refresh_costs,
+            // The default is written as absent, so a checkpoint of a default run reads
+            // the same before and after this flag existed.
+            target_rel_l2: a
+                .target_rel_l2
+                .filter(|t| t.to_bits() != DEFAULT_TARGET_REL_L2.to_bits()),
             token_budget: a.token_budget,
             skip_zero_exposure: a.skip_zero_exposure,
             seed: a.seed,
@@ -1066,7 +1118,7 @@ fn new_allocator(
             OnlineAllocator::new(
                 StateBytes::adamw_f32(num_params),
                 MemoryBudget::default(),
-                DEFAULT_TARGET_REL_L2,
+                settings.target_rel_l2.unwrap_or(DEFAULT_TARGET_REL_L2),
                 &HILORE_CODECS,
             )
             .with_refresh(settings.refresh_costs),
@@ -1370,8 +1422,18 @@ pub fn run(mut args: TrainArgs) -> anyhow::Result<ExitCode> {
         );
     }
     let progress = !args.no_progress;
+    // `quiet` (a caller running several trainings, as `hilore compare` does) keeps the
+    // log lines off stdout; the summary and metrics files are written as always.
+    let quiet = args.quiet;
+    macro_rules! say {
+        ($($t:tt)*) => {
+            if !quiet {
+                println!($($t)*)
+            }
+        };
+    }
     let eval_sampling = settings.sampling(stream_seed(settings.seed, "eval"), tokenizer.eos());
-    println!(
+    say!(
         "task {} | policy {} | seed {} | {} held-out prompts",
         task.describe(),
         plan.name(),
@@ -1381,7 +1443,7 @@ pub fn run(mut args: TrainArgs) -> anyhow::Result<ExitCode> {
 
     let (mut run, resumed_from) = if args.resume {
         let run = Run::load(&args.checkpoint, settings.clone(), &device)?;
-        println!(
+        say!(
             "resumed from {} at step {}",
             args.checkpoint.display(),
             run.state.step
@@ -1395,12 +1457,12 @@ pub fn run(mut args: TrainArgs) -> anyhow::Result<ExitCode> {
         let mut model = match &args.model {
             Some(dir) => {
                 let tensors = zoo::load_weights(dir, &settings.model, &device)?;
-                println!("model: {}", dir.display());
+                say!("model: {}", dir.display());
                 Decoder::from_tensors(&settings.model, &tensors)?
             }
             None => Decoder::random(&settings.model, settings.seed, &device)?,
         };
-        println!(
+        say!(
             "model: {} layers, hidden {}, {} heads ({} kv), vocab {}, {} parameters",
             settings.model.num_hidden_layers,
             settings.model.hidden_size,
@@ -1456,7 +1518,7 @@ pub fn run(mut args: TrainArgs) -> anyhow::Result<ExitCode> {
             seconds,
             tokens_per_s: tokens as f64 / seconds.max(1e-9),
         };
-        println!(
+        say!(
             "warm start: {} steps, loss {:.4} (moving average; last step {final_loss:.4}), {:.1}s ({:.0} tok/s)",
             warm_start.steps, warm_start.final_loss, warm_start.seconds, warm_start.tokens_per_s
         );
@@ -1468,9 +1530,12 @@ pub fn run(mut args: TrainArgs) -> anyhow::Result<ExitCode> {
             &eval_sampling,
             settings.eval_samples,
         )?;
-        println!(
+        say!(
             "held-out after warm start: accuracy {:.3} (sampled, T={}), greedy {:.3}, reward {:.3}",
-            before.accuracy, settings.temperature, before.greedy_accuracy, before.reward_mean
+            before.accuracy,
+            settings.temperature,
+            before.greedy_accuracy,
+            before.reward_mean
         );
         let reference = model_copy(&model, &settings.model)?;
         let opt = AdamW::new(settings.adamw, &model);
@@ -1663,7 +1728,9 @@ pub fn run(mut args: TrainArgs) -> anyhow::Result<ExitCode> {
                 format!("  zero-exposure {} seq", m.zero_exposure_sequences)
             }
         );
-        pb.suspend(|| println!("{line}"));
+        if !quiet {
+            pb.suspend(|| println!("{line}"));
+        }
         pb.set_message(format!("reward {:.3}", m.reward_mean));
         pb.inc(1);
         if let Some(f) = &mut metrics_file {
@@ -1688,7 +1755,7 @@ pub fn run(mut args: TrainArgs) -> anyhow::Result<ExitCode> {
         }
         if stop {
             pb.finish_and_clear();
-            println!(
+            say!(
                 "stopped after step {}; continue with --resume (checkpoint {})",
                 run.state.step,
                 args.checkpoint.display()
@@ -1706,7 +1773,7 @@ pub fn run(mut args: TrainArgs) -> anyhow::Result<ExitCode> {
         settings.eval_samples,
     )?;
     let before = run.state.before;
-    println!(
+    say!(
         "held-out accuracy: {:.3} -> {:.3} (sampled, T={}), greedy {:.3} -> {:.3}, reward {:.3} -> {:.3}",
         before.accuracy,
         after.accuracy,
@@ -1726,7 +1793,7 @@ pub fn run(mut args: TrainArgs) -> anyhow::Result<ExitCode> {
             };
             zoo::export_with(&run.model, run.model.config(), zoo_tok, out, DType::F32)
                 .with_context(|| format!("exporting the trained weights to {}", out.display()))?;
-            println!(
+            say!(
                 "exported the trained weights to {} (config.json, model.safetensors{})",
                 out.display(),
                 if zoo_tok.is_some() {
@@ -1775,7 +1842,7 @@ pub fn run(mut args: TrainArgs) -> anyhow::Result<ExitCode> {
         },
         settings: settings.clone(),
     };
-    println!(
+    say!(
         "done: {} steps in {:.1}s; rollout {:.0} tok/s, update {:.0} tok/s, peak activations {}, optimizer state {}",
         summary.steps,
         summary.seconds,
