@@ -198,17 +198,98 @@ impl Micro {
     }
 }
 
-/// A step's microbatches as the allocator sees them.
-struct StepWorkload<'a, M> {
+/// One step's microbatches of a model as the allocator sees them: a [`Workload`] for
+/// [`OnlineAllocator::plan_step`] from any [`ActorModel`], its batches and their seeds
+/// (dL/dlogp per row: the GRPO coefficients at trained rows, 0 elsewhere), so a training
+/// loop of one's own plans its steps without writing the profiling and calibration
+/// passes. The actor update uses it too.
+///
+/// ```no_run
+/// # use hilore::train::{ActorModel, update::TapeWorkload};
+/// # use hilore_runtime::allocator::OnlineAllocator;
+/// # use hilore_runtime::Grads;
+/// # fn f<M: ActorModel>(model: &M, alloc: &mut OnlineAllocator,
+/// #     data: Vec<(hilore_models::TokenBatch, candle_core::Tensor)>) -> anyhow::Result<()> {
+/// let mut work = TapeWorkload::new(model);
+/// for (batch, seed) in data {
+///     work.push(batch, seed)?;
+/// }
+/// let step = alloc.plan_step(&mut work)?;
+/// let mut grads = Grads::new();
+/// for (i, d) in step.decisions.iter().enumerate() {
+///     let peak = work.run_into(i, &d.plan, &mut grads)?;
+///     assert_eq!(peak, d.predicted_peak_bytes);
+/// }
+/// # Ok(()) }
+/// ```
+pub struct TapeWorkload<'a, M> {
     model: &'a M,
-    micros: Vec<(Micro, Tensor, MicrobatchInput)>,
+    items: Vec<(TokenBatch, Tensor, MicrobatchInput)>,
 }
 
-impl<'a, M: ActorModel> StepWorkload<'a, M> {
+impl<'a, M: ActorModel> TapeWorkload<'a, M> {
+    /// No microbatches yet.
+    pub fn new(model: &'a M) -> Self {
+        TapeWorkload {
+            model,
+            items: Vec::new(),
+        }
+    }
+
+    /// Adds a microbatch: its batch and its seed (`f32 [rows]`, dL/dlogp of every row,
+    /// 0 where nothing is trained). Its exposure is the seed's L2 norm.
+    pub fn push(&mut self, batch: TokenBatch, seed: Tensor) -> anyhow::Result<()> {
+        let rows = batch.num_tokens();
+        anyhow::ensure!(
+            seed.dims() == [rows],
+            "TapeWorkload::push: the seed is {:?}, the batch has {rows} rows; give one dL/dlogp per row ([{rows}], 0 on untrained rows)",
+            seed.dims()
+        );
+        let v = seed.to_dtype(candle_core::DType::F32)?.to_vec1::<f32>()?;
+        let exposure = v.iter().map(|&x| (x as f64).powi(2)).sum::<f64>().sqrt();
+        self.push_with_exposure(batch, seed, exposure);
+        Ok(())
+    }
+
+    /// [`TapeWorkload::push`] with the exposure already known (the actor update's, from
+    /// its coefficients).
+    pub(crate) fn push_with_exposure(&mut self, batch: TokenBatch, seed: Tensor, exposure: f64) {
+        let input = MicrobatchInput {
+            shape: MicrobatchShape::of(&batch.packing),
+            exposure,
+        };
+        self.items.push((batch, seed, input));
+    }
+
+    /// Microbatch `i`'s batch.
+    pub fn batch(&self, i: usize) -> &TokenBatch {
+        &self.items[i].0
+    }
+
+    /// Microbatch `i`'s seed.
+    pub fn seed(&self, i: usize) -> &Tensor {
+        &self.items[i].1
+    }
+
+    /// Forward and backward of microbatch `i` under `plan`, its gradients added into
+    /// `grads`; returns the activation ledger's measured peak (what the allocator's
+    /// decision predicted).
+    pub fn run_into(
+        &self,
+        i: usize,
+        plan: &Plan,
+        grads: &mut Grads,
+    ) -> hilore_runtime::Result<usize> {
+        let mut cx = Cx::new(plan.clone());
+        let logp = self.model.token_logprobs(&mut cx, &self.items[i].0)?;
+        cx.backward(&logp, &self.items[i].1, grads)?;
+        Ok(cx.memory().peak_bytes())
+    }
+
     fn pass(&self, i: usize, cx: &mut Cx<'a>) -> hilore_runtime::Result<(Grads, f64)> {
-        let (micro, seed, _) = &self.micros[i];
+        let (batch, seed, _) = &self.items[i];
         let t0 = Instant::now();
-        let logp = self.model.token_logprobs(cx, &micro.batch)?;
+        let logp = self.model.token_logprobs(cx, batch)?;
         let fwd = t0.elapsed().as_secs_f64();
         let mut g = Grads::new();
         cx.backward(&logp, seed, &mut g)?;
@@ -216,13 +297,13 @@ impl<'a, M: ActorModel> StepWorkload<'a, M> {
     }
 }
 
-impl<M: ActorModel> Workload for StepWorkload<'_, M> {
+impl<M: ActorModel> Workload for TapeWorkload<'_, M> {
     fn len(&self) -> usize {
-        self.micros.len()
+        self.items.len()
     }
 
     fn input(&self, i: usize) -> MicrobatchInput {
-        self.micros[i].2
+        self.items[i].2
     }
 
     fn profile(
@@ -318,7 +399,8 @@ fn epoch_grads<M: ActorModel>(
     // HiLoRe: with the coefficients known before the forward, plan the whole step.
     let planned = match &s.allocator {
         Some(alloc) if known_before_forward(&cfg, update) => {
-            let mut micros = Vec::with_capacity(packs.len());
+            let mut wl = TapeWorkload::new(m);
+            let mut targets = Vec::with_capacity(packs.len());
             for pack in packs {
                 let micro = Micro::padded(m, &r.seqs, &r.prompt_lens, pack, PAD_QUANTUM)?;
                 let lengths: Vec<usize> = pack.iter().map(|&i| r.response_lens[i]).collect();
@@ -333,23 +415,25 @@ fn epoch_grads<M: ActorModel>(
                     },
                 )?;
                 let seed = micro.seed(&c.per_token)?;
-                let input = MicrobatchInput {
-                    shape: MicrobatchShape::of(&micro.batch.packing),
-                    exposure: c.exposure(),
-                };
-                micros.push((micro, seed, input));
+                wl.push_with_exposure(micro.batch, seed, c.exposure());
+                targets.push(micro.targets);
             }
-            let mut wl = StepWorkload { model: m, micros };
             let step = alloc.borrow_mut().plan_step(&mut wl)?;
             rep.planned_microbatches += packs.len();
-            Some((wl.micros, step.decisions))
+            let micros: Vec<(Micro, MicrobatchInput)> = wl
+                .items
+                .into_iter()
+                .zip(targets)
+                .map(|((batch, _, input), targets)| (Micro { batch, targets }, input))
+                .collect();
+            Some((micros, step.decisions))
         }
         _ => None,
     };
     let mut planned_micros = planned.as_ref().map(|(ms, _)| ms.iter());
     for (k, pack) in packs.iter().enumerate() {
         let micro = match planned_micros.as_mut().and_then(|it| it.next()) {
-            Some((mi, _, _)) => Micro {
+            Some((mi, _)) => Micro {
                 batch: mi.batch.clone(),
                 targets: mi.targets.clone(),
             },
@@ -457,7 +541,7 @@ fn epoch_grads<M: ActorModel>(
     }
     let planned_exposures = planned
         .as_ref()
-        .map(|(micros, _)| micros.iter().map(|(_, _, i)| i.exposure).collect());
+        .map(|(micros, _)| micros.iter().map(|(_, i)| i.exposure).collect());
     Ok(EpochGrads {
         grads,
         planned_exposures,
