@@ -119,20 +119,17 @@ fn the_allocator_plans_a_loop_of_ones_own() {
         n_embd: 64,
         ..Gpt2Config::tiny()
     };
-    let model = Gpt2::new(cfg, 7, &dev).unwrap();
+    let mut model = Gpt2::new(cfg, 7, &dev).unwrap();
     let n_params: usize = model
         .named_params()
         .iter()
         .map(|(_, v)| v.elem_count())
         .sum();
-    let codecs = ["bf16", "fp8-e4m3-b32", "int8-b32"];
-    // -- the loop: 15 lines beyond the model and the data
-    let mut alloc = OnlineAllocator::new(
-        StateBytes::adamw_f32(n_params),
-        MemoryBudget::Factor(1.1),
-        1e-2,
-        &codecs,
-    );
+    let mut opt = AdamW::new(adamw(), &model);
+    let before = model.wte.tensor().to_vec2::<f32>().unwrap();
+    // -- the README's loop, 15 lines beyond the model and the data
+    let state = StateBytes::adamw_f32(n_params);
+    let mut alloc = OnlineAllocator::new(state, MemoryBudget::Factor(1.1), 1e-2, &CODECS);
     for step in 0..2u64 {
         let mut work = TapeWorkload::new(&model);
         for (batch, seed) in data(&model, step) {
@@ -145,10 +142,23 @@ fn the_allocator_plans_a_loop_of_ones_own() {
             assert_eq!(peak, d.predicted_peak_bytes, "step {step} microbatch {i}");
             assert!(d.predicted_total_bytes <= plan.budget_bytes);
         }
-        // -- an optimizer step on `grads` goes here
-        assert!(grads.get(model.wte.id()).is_some());
+        opt.step(&mut model, &grads).unwrap();
     }
+    assert_ne!(before, model.wte.tensor().to_vec2::<f32>().unwrap());
     assert!(alloc.is_calibrated());
+}
+
+const CODECS: [&str; 3] = ["bf16", "fp8-e4m3-b32", "int8-b32"];
+
+fn adamw() -> AdamWConfig {
+    AdamWConfig {
+        lr: 1e-3,
+        beta1: 0.9,
+        beta2: 0.99,
+        eps: 1e-8,
+        weight_decay: 0.0,
+        max_grad_norm: 1.0,
+    }
 }
 
 /// Two microbatches of a step: packed sequences and GRPO-like seeds (one coefficient per
@@ -207,17 +217,7 @@ fn trains_with_grpo_through_the_actor_update() {
         allocator: Some(Rc::new(RefCell::new(alloc))),
     };
     let before = m.wte.tensor().to_vec2::<f32>().unwrap();
-    let mut opt = AdamW::new(
-        AdamWConfig {
-            lr: 1e-3,
-            beta1: 0.9,
-            beta2: 0.99,
-            eps: 1e-8,
-            weight_decay: 0.0,
-            max_grad_norm: 1.0,
-        },
-        &m,
-    );
+    let mut opt = AdamW::new(adamw(), &m);
     let rep = actor_update(&mut m, None, &mut opt, &rollout, &adv, &settings).unwrap();
     assert!(
         rep.grad_norm.is_finite() && rep.grad_norm > 0.0,
