@@ -59,8 +59,9 @@ enum Command {
     /// seeds, interleaved, under one memory budget: throughput, peak memory (predicted and
     /// measured), gradient error, time split; `--budgets` sweeps the budget.
     Bench(Box<bench::BenchArgs>),
-    /// Paired GRPO training runs, full recompute against HiLoRe, same seeds: the paired
-    /// difference of held-out accuracy and both runs' actor-update throughput.
+    /// Paired GRPO training runs, full recompute against HiLoRe (or other arms: risk
+    /// targets, compress-all), same seeds: the paired difference of held-out accuracy,
+    /// its trend over risk targets, and the actor-update throughput.
     Compare(compare::CompareArgs),
     /// Train a policy with GRPO on a task with verifiable rewards: warm start by supervised
     /// fine-tuning, then rollouts with a KV cache, rewards, group-relative advantages and
