@@ -261,8 +261,13 @@ struct ArmReport {
     sampled: Paired,
     /// Absent when a merged run lacks greedy accuracy.
     greedy: Option<Paired>,
+    /// Actor-update tokens/s, means over the seeds whose two runs had the same number of
+    /// threads (runs merged from invocations with other `--jobs` are not compared for
+    /// speed); NaN when there is none.
     update_tokens_per_s_mean: f64,
     gc_update_tokens_per_s_mean: f64,
+    /// How many seeds those speed means cover.
+    speed_seeds: usize,
     instances_per_step: Fidelities,
 }
 
@@ -589,8 +594,17 @@ fn arm_report(arm: &Arm, seeds: &[u64], runs: &[RunSummary]) -> anyhow::Result<O
         .collect();
     let mean = |v: &mut dyn Iterator<Item = f64>| {
         let (s, n) = v.fold((0.0, 0usize), |(s, n), x| (s + x, n + 1));
-        s / n.max(1) as f64
+        if n == 0 {
+            f64::NAN
+        } else {
+            s / n as f64
+        }
     };
+    // Throughput depends on the threads a run had; only pairs run alike are compared.
+    let same_threads: Vec<&(&RunSummary, &RunSummary)> = pairs
+        .iter()
+        .filter(|p| p.0.threads == p.1.threads)
+        .collect();
     let arm_runs: Vec<&RunSummary> = pairs.iter().map(|p| p.1).collect();
     Ok(Some(ArmReport {
         arm: arm.label.clone(),
@@ -607,8 +621,11 @@ fn arm_report(arm: &Arm, seeds: &[u64], runs: &[RunSummary]) -> anyhow::Result<O
         },
         paired_diff_pp: diff,
         greedy_diff_pp: greedy,
-        update_tokens_per_s_mean: mean(&mut pairs.iter().map(|p| p.1.update_tokens_per_s)),
-        gc_update_tokens_per_s_mean: mean(&mut pairs.iter().map(|p| p.0.update_tokens_per_s)),
+        update_tokens_per_s_mean: mean(&mut same_threads.iter().map(|p| p.1.update_tokens_per_s)),
+        gc_update_tokens_per_s_mean: mean(
+            &mut same_threads.iter().map(|p| p.0.update_tokens_per_s),
+        ),
+        speed_seeds: same_threads.len(),
         instances_per_step: Fidelities::mean_of(&arm_runs),
     }))
 }
@@ -900,15 +917,20 @@ fn print_report(report: &Report) {
     );
     for a in &report.arms {
         let f = a.instances_per_step;
+        let speed = if a.speed_seeds == 0 {
+            "actor update not compared (its runs and GC's had other thread counts)".to_string()
+        } else {
+            format!(
+                "actor update {:.0} tok/s against GC's {:.0} ({:.2} x, {} seeds run alike)",
+                a.update_tokens_per_s_mean,
+                a.gc_update_tokens_per_s_mean,
+                a.update_tokens_per_s_mean / a.gc_update_tokens_per_s_mean,
+                a.speed_seeds
+            )
+        };
         println!(
-            "{}: actor update {:.0} tok/s against GC's {:.0} ({:.2} x), unit instances per step {:.1} / {:.1} / {:.1}",
-            a.arm,
-            a.update_tokens_per_s_mean,
-            a.gc_update_tokens_per_s_mean,
-            a.update_tokens_per_s_mean / a.gc_update_tokens_per_s_mean,
-            f.store,
-            f.compress,
-            f.recompute
+            "{}: {speed}, unit instances per step {:.1} / {:.1} / {:.1}",
+            a.arm, f.store, f.compress, f.recompute
         );
         println!(
             "  {}",
