@@ -237,6 +237,10 @@ struct RunSummary {
     /// Compute threads the run had (absent in reports written before `--jobs`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     threads: Option<usize>,
+    /// The compare invocation that ran it (its start, seconds since the Unix epoch);
+    /// absent in reports written before, each of which one invocation made.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    invocation: Option<u64>,
 }
 
 impl RunSummary {
@@ -261,9 +265,9 @@ struct ArmReport {
     sampled: Paired,
     /// Absent when a merged run lacks greedy accuracy.
     greedy: Option<Paired>,
-    /// Actor-update tokens/s, means over the seeds whose two runs had the same number of
-    /// threads (runs merged from invocations with other `--jobs` are not compared for
-    /// speed); NaN when there is none.
+    /// Actor-update tokens/s, means over the seeds whose two runs one invocation made
+    /// side by side (runs merged from other invocations are not compared for speed);
+    /// NaN when there is none.
     update_tokens_per_s_mean: f64,
     gc_update_tokens_per_s_mean: f64,
     /// How many seeds those speed means cover.
@@ -276,7 +280,8 @@ struct ArmReport {
 struct DoseResponse {
     /// The `hilore` arms' targets, ascending.
     targets: Vec<f64>,
-    /// Seeds with GC and every one of those arms.
+    /// Seeds with GC and every target above 0 (a target-0 arm is listed only when it has
+    /// them all).
     seeds: Vec<u64>,
     /// Per target: the paired difference (pp) over those seeds, sampled and greedy.
     sampled: Vec<Paired>,
@@ -402,6 +407,7 @@ fn run_one(
     dir: &Path,
     train_args: &[String],
     threads: usize,
+    invocation: u64,
 ) -> anyhow::Result<RunSummary> {
     let argv = run_argv(seed, arm, dir, train_args);
     let summary = PathBuf::from(&argv[5]);
@@ -441,6 +447,7 @@ fn run_one(
         instances_recompute: inst("recompute"),
         seconds: f("seconds"),
         threads: Some(threads),
+        invocation: Some(invocation),
     })
 }
 
@@ -508,6 +515,9 @@ fn run_all(
     train_args: &[String],
     progress: bool,
 ) -> (Vec<RunSummary>, Vec<String>) {
+    let invocation = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
     let pb = if progress {
         let pb = ProgressBar::new(work.len() as u64);
         pb.set_style(
@@ -534,7 +544,7 @@ fn run_all(
                 let Some((seed, arm)) = queue.lock().ok().and_then(|mut q| q.pop_front()) else {
                     return;
                 };
-                match run_one(seed, &arm, dir, train_args, threads) {
+                match run_one(seed, &arm, dir, train_args, threads, invocation) {
                     Ok(r) => {
                         pb.suspend(|| {
                             eprintln!(
@@ -600,10 +610,11 @@ fn arm_report(arm: &Arm, seeds: &[u64], runs: &[RunSummary]) -> anyhow::Result<O
             s / n as f64
         }
     };
-    // Throughput depends on the threads a run had; only pairs run alike are compared.
+    // Throughput depends on the threads a run had and on the machine's load while it ran:
+    // only pairs run by the same invocation (side by side, alike) are compared.
     let same_threads: Vec<&(&RunSummary, &RunSummary)> = pairs
         .iter()
-        .filter(|p| p.0.threads == p.1.threads)
+        .filter(|p| p.0.invocation == p.1.invocation && p.0.threads == p.1.threads)
         .collect();
     let arm_runs: Vec<&RunSummary> = pairs.iter().map(|p| p.1).collect();
     Ok(Some(ArmReport {
@@ -643,15 +654,18 @@ fn dose_response(arms: &[ArmReport]) -> anyhow::Result<Option<DoseResponse>> {
     if positive.len() < 2 {
         return Ok(None);
     }
-    let seeds: Vec<u64> = hil[0]
+    // The seeds with every target above 0; an exact arm (target 0) joins the table only
+    // where it covers them all (it is in `arms` either way).
+    let seeds: Vec<u64> = positive[0]
         .seeds
         .iter()
         .copied()
-        .filter(|s| hil.iter().all(|a| a.seeds.contains(s)))
+        .filter(|s| positive.iter().all(|a| a.seeds.contains(s)))
         .collect();
     if seeds.len() < 2 {
         return Ok(None);
     }
+    hil.retain(|a| seeds.iter().all(|s| a.seeds.contains(s)));
     let at = |a: &ArmReport, s: u64, greedy: bool| {
         let i = a.seeds.iter().position(|&x| x == s).unwrap();
         if greedy {
@@ -918,10 +932,11 @@ fn print_report(report: &Report) {
     for a in &report.arms {
         let f = a.instances_per_step;
         let speed = if a.speed_seeds == 0 {
-            "actor update not compared (its runs and GC's had other thread counts)".to_string()
+            "actor update not compared (no seed has its run and GC's from one invocation)"
+                .to_string()
         } else {
             format!(
-                "actor update {:.0} tok/s against GC's {:.0} ({:.2} x, {} seeds run alike)",
+                "actor update {:.0} tok/s against GC's {:.0} ({:.2} x, {} seeds run side by side)",
                 a.update_tokens_per_s_mean,
                 a.gc_update_tokens_per_s_mean,
                 a.update_tokens_per_s_mean / a.gc_update_tokens_per_s_mean,
