@@ -32,7 +32,6 @@ use crate::stats::{slope, Paired};
 use anyhow::{bail, Context};
 use clap::Args;
 use hilore_runtime::allocator::DEFAULT_TARGET_REL_L2;
-use indicatif::{ProgressBar, ProgressStyle};
 use serde::{Deserialize, Serialize};
 use std::collections::VecDeque;
 use std::path::{Path, PathBuf};
@@ -373,13 +372,14 @@ fn with_defaults(extra: &[String]) -> Vec<String> {
     v
 }
 
+/// Where one run's `what` file (`summary`, `checkpoint`) goes.
+fn run_file(dir: &Path, what: &str, arm: &Arm, seed: u64, ext: &str) -> PathBuf {
+    dir.join(format!("{what}-{}-{seed}{ext}", arm.label))
+}
+
 /// The `hilore train` arguments of one run.
 fn run_argv(seed: u64, arm: &Arm, dir: &Path, train_args: &[String]) -> Vec<String> {
-    let file = |what: &str, ext: &str| {
-        dir.join(format!("{what}-{}-{seed}{ext}", arm.label))
-            .display()
-            .to_string()
-    };
+    let file = |what: &str, ext: &str| run_file(dir, what, arm, seed, ext).display().to_string();
     let mut v: Vec<String> = vec![
         "--policy".into(),
         arm.policy.clone(),
@@ -410,7 +410,7 @@ fn run_one(
     invocation: u64,
 ) -> anyhow::Result<RunSummary> {
     let argv = run_argv(seed, arm, dir, train_args);
-    let summary = PathBuf::from(&argv[5]);
+    let summary = run_file(dir, "summary", arm, seed, ".json");
     let mut args = crate::train::parse_args(&argv)?;
     args.quiet = true;
     let pool = rayon::ThreadPoolBuilder::new()
@@ -518,20 +518,7 @@ fn run_all(
     let invocation = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_secs());
-    let pb = if progress {
-        let pb = ProgressBar::new(work.len() as u64);
-        pb.set_style(
-            ProgressStyle::with_template(
-                "{prefix} [{bar:30}] {pos}/{len} runs, {elapsed} elapsed, eta {eta} {msg}",
-            )
-            .unwrap_or_else(|_| ProgressStyle::default_bar())
-            .progress_chars("=> "),
-        );
-        pb.set_prefix("compare");
-        pb
-    } else {
-        ProgressBar::hidden()
-    };
+    let pb = crate::train::bar(work.len(), progress, "compare");
     let queue = Mutex::new(work.into_iter().collect::<VecDeque<_>>());
     let done = Mutex::new(Vec::new());
     let failed = Mutex::new(Vec::new());

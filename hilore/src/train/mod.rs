@@ -1043,7 +1043,8 @@ fn draw_examples(
         .collect()
 }
 
-fn bar(len: usize, enabled: bool, prefix: &str) -> ProgressBar {
+/// A progress bar of `len` items (hidden unless `enabled`), as every long loop shows it.
+pub(crate) fn bar(len: usize, enabled: bool, prefix: &str) -> ProgressBar {
     if !enabled {
         return ProgressBar::hidden();
     }

@@ -281,18 +281,29 @@ impl<'a, M: ActorModel> TapeWorkload<'a, M> {
         grads: &mut Grads,
     ) -> hilore_runtime::Result<usize> {
         let mut cx = Cx::new(plan.clone());
-        let logp = self.model.token_logprobs(&mut cx, &self.items[i].0)?;
-        cx.backward(&logp, &self.items[i].1, grads)?;
+        self.forward_backward(i, &mut cx, grads)?;
         Ok(cx.memory().peak_bytes())
     }
 
-    fn pass(&self, i: usize, cx: &mut Cx<'a>) -> hilore_runtime::Result<(Grads, f64)> {
+    /// Forward and backward of microbatch `i` on `cx`, into `grads`; the forward's
+    /// seconds.
+    fn forward_backward(
+        &self,
+        i: usize,
+        cx: &mut Cx<'a>,
+        grads: &mut Grads,
+    ) -> hilore_runtime::Result<f64> {
         let (batch, seed, _) = &self.items[i];
         let t0 = Instant::now();
         let logp = self.model.token_logprobs(cx, batch)?;
         let fwd = t0.elapsed().as_secs_f64();
+        cx.backward(&logp, seed, grads)?;
+        Ok(fwd)
+    }
+
+    fn pass(&self, i: usize, cx: &mut Cx<'a>) -> hilore_runtime::Result<(Grads, f64)> {
         let mut g = Grads::new();
-        cx.backward(&logp, seed, &mut g)?;
+        let fwd = self.forward_backward(i, cx, &mut g)?;
         Ok((g, fwd))
     }
 }
