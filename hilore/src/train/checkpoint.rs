@@ -14,6 +14,7 @@
 //! over the destination: a crash leaves either the old checkpoint or the new one, never a
 //! torn file.
 
+use super::ActorModel;
 use anyhow::{bail, Context};
 use serde::{Deserialize, Serialize};
 use std::io::{Read, Write};
@@ -304,6 +305,52 @@ impl Checkpoint {
     }
 }
 
+/// The parameters of `model` as checkpoint tensors named `{prefix}/{name}`, in the
+/// model's order (for any [`ActorModel`]: the policy, the reference policy).
+pub fn model_tensors<M: ActorModel>(prefix: &str, model: &M) -> anyhow::Result<Vec<NamedTensor>> {
+    model
+        .named_params()
+        .into_iter()
+        .map(|(name, v)| {
+            Ok(NamedTensor {
+                name: format!("{prefix}/{name}"),
+                shape: v.dims().to_vec(),
+                data: v.tensor().flatten_all()?.to_vec1::<f32>()?,
+            })
+        })
+        .collect()
+}
+
+/// Sets every parameter of `model` from the tensor `{prefix}/{name}` of `ck`, bit for
+/// bit; a missing tensor, or one of another shape, is an error naming it (and nothing of
+/// the model is changed then).
+pub fn restore_model<M: ActorModel>(
+    ck: &Checkpoint,
+    prefix: &str,
+    model: &mut M,
+) -> anyhow::Result<()> {
+    let mut values = Vec::new();
+    for (name, v) in model.named_params() {
+        let t = ck.tensor(&format!("{prefix}/{name}"))?;
+        if t.shape != v.dims() {
+            bail!(
+                "checkpoint tensor {prefix}/{name} has shape {:?}, the model's parameter {:?}: the checkpoint is of another model",
+                t.shape,
+                v.dims()
+            );
+        }
+        let device = v.tensor().device().clone();
+        values.push(
+            candle_core::Tensor::from_vec(t.data.clone(), t.shape.clone(), &device)?
+                .to_dtype(v.tensor().dtype())?,
+        );
+    }
+    for ((_, p), t) in model.named_params_mut().into_iter().zip(values) {
+        p.set_tensor(t)?;
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -465,5 +512,73 @@ mod tests {
             }
             std::fs::remove_dir_all(&dir).unwrap();
         }
+    }
+
+    /// Any model's parameters and AdamW's moments round-trip through a checkpoint file bit
+    /// for bit; a checkpoint of another model is refused naming the tensor, leaving the
+    /// model as it was.
+    #[test]
+    fn model_and_moments_restore_bit_for_bit() {
+        use crate::train::optimizer::{AdamW, AdamWConfig};
+        use hilore_models::{Decoder, DecoderConfig};
+        let dev = candle_core::Device::Cpu;
+        let cfg = DecoderConfig::tiny();
+        let a = Decoder::random(&cfg, 1, &dev).unwrap();
+        let adamw = AdamWConfig {
+            lr: 1e-3,
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay: 0.0,
+            max_grad_norm: 1.0,
+        };
+        let mut opt = AdamW::new(adamw, &a);
+        for (i, (_, m, v)) in opt.state.iter_mut().enumerate() {
+            m.iter_mut().for_each(|x| *x = i as f32 * 0.25 - 1e-7);
+            v.iter_mut().for_each(|x| *x = (i as f32 + 0.5) * 3e-9);
+        }
+        let mut tensors = model_tensors("model", &a).unwrap();
+        tensors.extend(opt.moment_tensors());
+        let ck = Checkpoint {
+            run: serde_json::json!({}),
+            state: serde_json::json!({}),
+            tensors,
+        };
+        let dir = std::env::temp_dir().join(format!("hilore-ckpt-model-{}", std::process::id()));
+        let path = dir.join("m.ckpt");
+        ck.save_atomic(&path).unwrap();
+        let back = Checkpoint::load(&path).unwrap();
+        std::fs::remove_dir_all(&dir).ok();
+
+        let mut b = Decoder::random(&cfg, 2, &dev).unwrap();
+        restore_model(&back, "model", &mut b).unwrap();
+        let bits = |m: &Decoder| -> Vec<u32> {
+            m.named_params()
+                .iter()
+                .flat_map(|(_, v)| v.tensor().flatten_all().unwrap().to_vec1::<f32>().unwrap())
+                .map(f32::to_bits)
+                .collect()
+        };
+        assert_eq!(bits(&a), bits(&b));
+        let mut opt_b = AdamW::new(adamw, &b);
+        opt_b.restore_moments(&back).unwrap();
+        assert_eq!(opt_b.state, opt.state);
+
+        // Another model's checkpoint: an error naming the tensor, the model unchanged.
+        let wide = DecoderConfig {
+            intermediate_size: cfg.intermediate_size * 2,
+            ..cfg.clone()
+        };
+        let mut c = Decoder::random(&wide, 3, &dev).unwrap();
+        let before = bits(&c);
+        let e = restore_model(&back, "model", &mut c)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("model/") && e.contains("another model"), "{e}");
+        assert_eq!(bits(&c), before);
+        let e = restore_model(&back, "reference", &mut b)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("no tensor reference/"), "{e}");
     }
 }

@@ -5,6 +5,7 @@
 //! for bit) and its state is two `f32` buffers per parameter, counted exactly by
 //! [`AdamW::optimizer_state_bytes`].
 
+use super::checkpoint::{Checkpoint, NamedTensor};
 use super::ActorModel;
 use anyhow::{bail, Context};
 use candle_core::Tensor;
@@ -50,6 +51,41 @@ impl AdamW {
             .map(|(name, v)| (name, vec![0.0; v.elem_count()], vec![0.0; v.elem_count()]))
             .collect();
         AdamW { cfg, t: 0, state }
+    }
+
+    /// Both moments of every parameter as checkpoint tensors (`adam.m/{name}`,
+    /// `adam.v/{name}`); the step count [`AdamW::t`] goes in the checkpoint's state.
+    pub fn moment_tensors(&self) -> Vec<NamedTensor> {
+        let mut out = Vec::with_capacity(2 * self.state.len());
+        for (name, m, v) in &self.state {
+            for (kind, x) in [("m", m), ("v", v)] {
+                out.push(NamedTensor {
+                    name: format!("adam.{kind}/{name}"),
+                    shape: vec![x.len()],
+                    data: x.clone(),
+                });
+            }
+        }
+        out
+    }
+
+    /// Sets both moments of every parameter from `ck` (see [`AdamW::moment_tensors`]); a
+    /// missing tensor, or one of another length, is an error naming it.
+    pub fn restore_moments(&mut self, ck: &Checkpoint) -> anyhow::Result<()> {
+        for (name, m, v) in &mut self.state {
+            for (kind, x) in [("m", &mut *m), ("v", &mut *v)] {
+                let t = ck.tensor(&format!("adam.{kind}/{name}"))?;
+                if t.data.len() != x.len() {
+                    bail!(
+                        "checkpoint tensor adam.{kind}/{name} has {} values, the parameter {}: the checkpoint is of another model",
+                        t.data.len(),
+                        x.len()
+                    );
+                }
+                x.copy_from_slice(&t.data);
+            }
+        }
+        Ok(())
     }
 
     /// Bytes of optimizer state (both moments, `f32`): what the actor update's memory
