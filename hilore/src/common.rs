@@ -490,3 +490,19 @@ pub fn check_activation_size(cfg: &DecoderConfig, tokens: usize, flag: &str) -> 
     }
     Ok(())
 }
+
+/// A progress bar of `len` items (hidden unless `enabled`), as every long loop shows it:
+/// the phase, the bar, the count, a message, elapsed time and the estimate of what is left.
+pub fn progress_bar(len: usize, enabled: bool, prefix: &str) -> indicatif::ProgressBar {
+    if !enabled {
+        return indicatif::ProgressBar::hidden();
+    }
+    let pb = indicatif::ProgressBar::new(len as u64);
+    if let Ok(style) = indicatif::ProgressStyle::with_template(
+        "{prefix:>10} [{bar:30}] {pos}/{len} {msg} ({elapsed}, eta {eta})",
+    ) {
+        pb.set_style(style.progress_chars("=> "));
+    }
+    pb.set_prefix(prefix.to_string());
+    pb
+}

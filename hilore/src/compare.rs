@@ -518,7 +518,7 @@ fn run_all(
     let invocation = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_secs());
-    let pb = crate::train::bar(work.len(), progress, "compare");
+    let pb = crate::common::progress_bar(work.len(), progress, "compare");
     let queue = Mutex::new(work.into_iter().collect::<VecDeque<_>>());
     let done = Mutex::new(Vec::new());
     let failed = Mutex::new(Vec::new());

@@ -35,7 +35,7 @@ pub mod update;
 
 pub use args::{explicit_ids, parse_args, TrainArgs};
 pub use run::run;
-pub(crate) use run::{bar, HILORE_CODECS};
+pub(crate) use run::HILORE_CODECS;
 pub(crate) use settings::policy_plan;
 
 use hilore_models::Decoder;

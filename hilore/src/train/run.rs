@@ -12,7 +12,7 @@ use super::optimizer::AdamW;
 use super::settings::{earlier_outputs, json_diff, policy_plan, spec_of, RunSettings};
 use super::update::{actor_update, UpdateSettings};
 use super::{checkpoint, rollout, sft};
-use crate::common::human_bytes;
+use crate::common::{human_bytes, progress_bar};
 use crate::tasks::{Example, Task, TASK_NAMES};
 use crate::tokenizer::TrainTokenizer;
 use anyhow::{bail, Context};
@@ -24,7 +24,6 @@ use hilore_runtime::allocator::{
 };
 use hilore_runtime::grpo::{self};
 use hilore_runtime::Plan;
-use indicatif::{ProgressBar, ProgressStyle};
 use std::cell::RefCell;
 use std::collections::{HashMap, HashSet};
 use std::io::Write;
@@ -68,21 +67,6 @@ pub(super) fn draw_examples(
             )
         })
         .collect()
-}
-
-/// A progress bar of `len` items (hidden unless `enabled`), as every long loop shows it.
-pub(crate) fn bar(len: usize, enabled: bool, prefix: &str) -> ProgressBar {
-    if !enabled {
-        return ProgressBar::hidden();
-    }
-    let pb = ProgressBar::new(len as u64);
-    if let Ok(style) = ProgressStyle::with_template(
-        "{prefix:>10} [{bar:30}] {pos}/{len} {msg} ({elapsed}, eta {eta})",
-    ) {
-        pb.set_style(style.progress_chars("=> "));
-    }
-    pb.set_prefix(prefix.to_string());
-    pb
 }
 
 pub(super) fn model_from_checkpoint(
@@ -467,7 +451,7 @@ pub fn run(mut args: TrainArgs) -> anyhow::Result<ExitCode> {
         None => None,
     };
     let total_steps = args.steps;
-    let pb = bar(total_steps, progress, "grpo");
+    let pb = progress_bar(total_steps, progress, "grpo");
     pb.set_position(run.state.step.min(total_steps) as u64);
     while run.state.step < total_steps {
         let step = run.state.step;
@@ -705,7 +689,7 @@ fn warm_start(
 ) -> anyhow::Result<(WarmStart, f64)> {
     let t = Instant::now();
     let mut sft_opt = AdamW::new(settings.sft_adamw(), model);
-    let pb = bar(settings.sft_steps, progress, "warm start");
+    let pb = progress_bar(settings.sft_steps, progress, "warm start");
     let (mut final_loss, mut tokens, mut steps) = (f64::NAN, 0usize, 0usize);
     let mut ema = f64::NAN;
     for s in 0..settings.sft_steps {
