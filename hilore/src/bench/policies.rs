@@ -164,9 +164,9 @@ impl Ctx<'_> {
         };
         let secs = t0.elapsed().as_secs_f64();
         // Instances per fidelity over the whole step (every microbatch's plan).
-        let mut per_step: std::collections::BTreeMap<&str, usize> = Default::default();
+        let mut per_step: std::collections::BTreeMap<String, usize> = Default::default();
         for (f, n) in decisions.iter().flat_map(|d| &d.counts) {
-            *per_step.entry(f.as_str()).or_default() += n;
+            *per_step.entry(f.to_string()).or_default() += n;
         }
         let note = per_step
             .iter()
