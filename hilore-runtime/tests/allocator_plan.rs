@@ -249,7 +249,11 @@ fn zero_exposure_gets_the_cheapest_feasible_fidelity() {
     let d0 = a.plan(&zero, budget, 0.0, &full()).unwrap();
     // With zero exposure compression is free of risk and 20x cheaper than recompute: the
     // plan uses no more recompute time than the all-compress alternative would.
-    let recomputes: Vec<_> = d0.counts.iter().filter(|(f, _)| *f == Fidelity::Recompute).collect();
+    let recomputes: Vec<_> = d0
+        .counts
+        .iter()
+        .filter(|(f, _)| *f == Fidelity::Recompute)
+        .collect();
     let compressed: usize = d0
         .counts
         .iter()
@@ -264,7 +268,10 @@ fn zero_exposure_gets_the_cheapest_feasible_fidelity() {
         exposure: 5.0,
     };
     let d1 = a.plan(&hot, budget, 0.0, &full()).unwrap();
-    assert!(d1.counts.iter().all(|(f, _)| !matches!(f, Fidelity::Compress(_))));
+    assert!(d1
+        .counts
+        .iter()
+        .all(|(f, _)| !matches!(f, Fidelity::Compress(_))));
     assert!(d0.predicted_seconds < d1.predicted_seconds);
     // And zero exposure is exactly as fast as an unlimited risk budget allows.
     let free = a.plan(&hot, budget, f64::INFINITY, &full()).unwrap();

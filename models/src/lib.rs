@@ -71,7 +71,6 @@
 //! that the tape's gradients are tested and benchmarked against.
 
 pub mod atomic;
-pub mod baselines;
 mod batch;
 mod config;
 mod decoder;

@@ -29,13 +29,22 @@ pub const UNIT_NAMES: [&str; 10] = [
     "head",
 ];
 
+/// The units Megatron-style selective recompute recomputes inside a layer (the attention
+/// core and the cheap elementwise norms; the matmul outputs stay stored): the decoder's
+/// argument to [`hilore_runtime::allocator::baselines::selective_recompute`].
+pub const SELECTIVE_RECOMPUTE_UNITS: [&str; 3] = ["attn_core", "attn_norm", "mlp_norm"];
+
 /// Every unit stored: the exact, most memory-hungry plan.
 pub fn store_all() -> Plan {
     Plan::store_all()
 }
 
 /// Classic per-layer gradient checkpointing: every `layer` is recomputed (only its input
-/// is kept between forward and backward), everything else is stored.
+/// is kept between forward and backward), everything else is stored. This is
+/// [`hilore_runtime::allocator::baselines::gradient_checkpointing`] for the decoder (its
+/// only units with children are the layers), written without an allocator so a plain
+/// training run needs no profile; a test holds the two to the same fidelity on every unit
+/// instance.
 pub fn gradient_checkpointing() -> Plan {
     Plan::store_all()
         .with_unit("layer", Fidelity::Recompute)

@@ -6,8 +6,10 @@
 
 use candle_core::{Device, Tensor};
 use hilore_models::{plans, Decoder, DecoderConfig, TokenBatch};
-use hilore_runtime::allocator::{Allocator, MicrobatchInput, MicrobatchShape, Offer, StateBytes};
-use hilore_runtime::{Cx, Grads, Plan};
+use hilore_runtime::allocator::{
+    baselines, Allocator, MicrobatchInput, MicrobatchShape, Offer, StateBytes,
+};
+use hilore_runtime::{Cx, Fidelity, Grads, Plan};
 
 const CODECS: [&str; 4] = ["bf16", "fp8-e4m3-b32", "int8-b32", "int4-g32"];
 
@@ -115,7 +117,7 @@ fn never_slower_than_the_greedy_by_cost_per_byte() {
             // Risks are sums of at most 40 squared f64 terms: 1e-9 relative covers the
             // rounding of the square root.
             assert!(d.predicted_risk <= risk * (1.0 + 1e-9) + 1e-18);
-            let Ok(g) = a.plan_greedy(&mb, budget, risk, &offer, exposure) else {
+            let Ok(g) = baselines::adacc_style(&a, &mb, budget, risk, exposure, &CODECS) else {
                 // The greedy ran out of changes within the risk budget before it fit.
                 continue;
             };
@@ -165,4 +167,35 @@ fn a_tight_risk_budget_starts_from_an_exact_plan() {
             assert!(d.predicted_risk <= risk * (1.0 + 1e-9) + 1e-18);
         }
     }
+}
+
+/// Gradient checkpointing is defined once, for any model, by the allocator's groups
+/// ([`baselines::gradient_checkpointing`]); the decoder's allocator-free plan
+/// (`plans::gradient_checkpointing`, every `layer`) gives every unit instance the same
+/// fidelity, and so the same peak.
+#[test]
+fn the_decoders_gradient_checkpointing_is_the_baseline() {
+    let (a, _) = allocator();
+    let generic = baselines::gradient_checkpointing(&a);
+    let decoder = plans::gradient_checkpointing();
+    let mut recomputed = 0;
+    for (i, b) in a.instances().iter().enumerate() {
+        let d = a.descriptor(i);
+        assert_eq!(
+            generic.fidelity_for(d, b.call),
+            decoder.fidelity_for(d, b.call),
+            "{}#{}",
+            b.unit,
+            b.call
+        );
+        recomputed += usize::from(generic.fidelity_for(d, b.call) == Fidelity::Recompute);
+    }
+    // Every layer and nothing else is recomputed.
+    let layers = a.groups().iter().filter(|(_, ch)| !ch.is_empty()).count();
+    assert!(layers > 0);
+    assert_eq!(recomputed, layers);
+    assert_eq!(
+        a.simulate_peak(&generic).unwrap(),
+        a.simulate_peak(&decoder).unwrap()
+    );
 }

@@ -43,6 +43,6 @@ pub use budget::{MemoryBudget, StateBytes, DEFAULT_BUDGET_FACTOR};
 pub use calibrate::{calibrate, microbatch_input, CalibrationReport, PassResult, Runner};
 pub use costs::{CostModel, MicrobatchShape};
 pub use online::{AllocatorState, OnlineAllocator, RiskState, StepPlan, Workload};
-pub use planner::{Allocator, Decision, MicrobatchInput, Offer};
+pub use planner::{baselines, Allocator, Decision, MicrobatchInput, Offer};
 pub use risk::{RiskModel, DEFAULT_TARGET_REL_L2};
 pub use solver::{Choice, Group, Infeasible, Opened, Pick, Problem, Selection, Solver};

@@ -31,7 +31,7 @@ use super::calibrate::{calibrate, CalibrationReport, PassResult};
 use super::costs::CostModel;
 use super::planner::{Allocator, Decision, MicrobatchInput, Offer};
 use super::risk::RiskModel;
-use crate::{Error, Fidelity, Plan, Profile, Result, TapeTimes, UnitInstanceInfo};
+use crate::{Error, Plan, Profile, Result, TapeTimes, UnitInstanceInfo};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 
@@ -285,7 +285,7 @@ impl OnlineAllocator {
             if !self.by_tokens.contains_key(&n) {
                 let (profile, inst) = w.profile(i)?;
                 let mut a = Allocator::new(profile, &inst, self.state, &self.codecs)?;
-                let gc = gc_plan(&a);
+                let gc = super::baselines::gradient_checkpointing(&a);
                 self.gc_peak.insert(n, a.simulate_peak(&gc)?);
                 a.costs = self.costs.clone();
                 a.risk = self.risk.clone();
@@ -338,7 +338,7 @@ impl OnlineAllocator {
                 .iter()
                 .map(|m| {
                     let a = &self.by_tokens[&m.shape.tokens];
-                    a.fixed_decision(gc_plan(a))
+                    a.fixed_decision(super::baselines::gradient_checkpointing(a))
                 })
                 .collect::<Result<Vec<_>>>()?;
             return Ok(StepPlan {
@@ -439,18 +439,6 @@ impl OnlineAllocator {
             a.costs.corrections = self.costs.corrections.clone();
         }
     }
-}
-
-/// Full recompute: every top-level instance with children recomputed.
-fn gc_plan(a: &Allocator) -> Plan {
-    let mut plan = Plan::store_all().named("gradient-checkpointing");
-    for (top, children) in a.groups() {
-        if !children.is_empty() && a.descriptor(top).offers(Fidelity::Recompute) {
-            let b = &a.instances()[top];
-            plan.set_instance(b.unit, b.call, Fidelity::Recompute);
-        }
-    }
-    plan
 }
 
 #[cfg(test)]

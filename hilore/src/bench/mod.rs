@@ -27,8 +27,8 @@ use report::{print_report, Acceptance, Additivity, ConfigOut, Report};
 
 use anyhow::Context;
 use candle_core::Device;
-use hilore_models::baselines;
 use hilore_models::Decoder;
+use hilore_runtime::allocator::baselines;
 use hilore_runtime::allocator::{calibrate, Allocator, MemoryBudget, StateBytes};
 use hilore_runtime::{Cx, Grads, Plan};
 use std::process::ExitCode;
@@ -152,7 +152,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
             &mut |_| {},
         )?
     };
-    let gc_peak = allocator.simulate_peak(&baselines::gradient_checkpointing())?;
+    let gc_peak = allocator.simulate_peak(&baselines::gradient_checkpointing(&allocator))?;
     let gc_total = gc_peak + state.total();
     let budget_bytes = budget.bytes(gc_total);
     // The gradient-norm scale of a whole held-out step (microbatch gradients partly
@@ -201,7 +201,6 @@ pub fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
     let ctx = Ctx {
         alloc: &allocator,
         mbs: &mbs,
-        num_layers: cfg.num_hidden_layers,
         codecs: codecs.clone(),
     };
     let plan_all =

@@ -2,7 +2,8 @@
 //! baselines, the budgeted ones, HiLoRe and its exposure-blind ablation.
 
 use super::workload::Microbatch;
-use hilore_models::baselines;
+use hilore_models::plans::SELECTIVE_RECOMPUTE_UNITS;
+use hilore_runtime::allocator::baselines;
 use hilore_runtime::allocator::{Allocator, MicrobatchInput, Offer};
 use hilore_runtime::Plan;
 use serde::Serialize;
@@ -84,7 +85,6 @@ pub(super) struct Planned {
 pub(super) struct Ctx<'a> {
     pub(super) alloc: &'a Allocator,
     pub(super) mbs: &'a [Microbatch],
-    pub(super) num_layers: usize,
     pub(super) codecs: Vec<&'static str>,
 }
 
@@ -125,11 +125,11 @@ impl Ctx<'_> {
         let t0 = Instant::now();
         let decisions = match kind {
             Kind::StoreAll => return self.fixed(baselines::store_all()),
-            Kind::Gc => return self.fixed(baselines::gradient_checkpointing()),
+            Kind::Gc => return self.fixed(baselines::gradient_checkpointing(a)),
             Kind::CompressAll => return self.fixed(baselines::compress_all()?),
             Kind::Selective => {
                 let avail = a.activation_budget(total_budget).unwrap_or(0);
-                let found = baselines::selective_recompute(a, self.num_layers, avail)?;
+                let found = baselines::selective_recompute(a, &SELECTIVE_RECOMPUTE_UNITS, avail)?;
                 let secs = t0.elapsed().as_secs_f64();
                 let Some((plan, _)) = found else {
                     anyhow::bail!(

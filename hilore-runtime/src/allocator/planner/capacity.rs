@@ -1,25 +1,21 @@
-//! Memory: the DP capacity whose plan fits exactly, the exact fallbacks, the
-//! selective-recompute-shaped plans, the least-memory plans and the infeasible-budget error.
+//! Memory: the DP capacity whose plan fits exactly, the exact fallbacks, the least-memory
+//! plans and the infeasible-budget error.
 
-use super::super::costs::MicrobatchShape;
 use super::super::solver::{Infeasible, Problem, Selection};
-use super::{Allocator, Layout, MicrobatchInput, Offer, Start, StepContext};
+use super::{Allocator, MicrobatchInput, Offer, Start, StepContext};
 use crate::{Error, Fidelity, Plan, Result};
 use std::collections::HashMap;
 
 impl Allocator {
-    /// Exact fallback assignments, fastest first: every group with children recomputed
-    /// (the rest stored), then the same with their children recomputed as well.
+    /// Exact fallback assignments, fastest first: gradient checkpointing (every group with
+    /// children recomputed, the rest stored: [`Allocator::gc_assignment`]), then the same
+    /// with their children recomputed as well, then the reference plan.
     pub(super) fn fallbacks(&self, offer: &Offer) -> Vec<HashMap<usize, Fidelity>> {
-        let mut gc = HashMap::new();
-        for l in &self.layout {
-            if !l.children.is_empty()
-                && offer.recompute
-                && self.descs[l.top].offers(Fidelity::Recompute)
-            {
-                gc.insert(l.top, Fidelity::Recompute);
-            }
-        }
+        let gc: HashMap<usize, Fidelity> = if offer.recompute {
+            self.gc_assignment()
+        } else {
+            HashMap::new()
+        };
         let mut deep = gc.clone();
         for l in &self.layout {
             if gc.contains_key(&l.top) {
@@ -31,60 +27,6 @@ impl Allocator {
             }
         }
         vec![gc, deep, self.reference.clone()]
-    }
-
-    /// Exact plans shaped like Megatron-style selective recompute (see the module docs):
-    /// for `k` in `1..=G` (`G` groups with children that may be recomputed), the last `k`
-    /// opened and each recomputing its `j` children (for `j` in `0..=n`) that are
-    /// cheapest to recompute per byte they save at `shape`, the other groups recomputed
-    /// whole. Empty when the offer allows no recompute or no opened groups.
-    pub fn selective_candidates(
-        &self,
-        offer: &Offer,
-        shape: MicrobatchShape,
-    ) -> Vec<HashMap<usize, Fidelity>> {
-        if !offer.recompute || !offer.open_groups {
-            return Vec::new();
-        }
-        let groups: Vec<&Layout> = self
-            .layout
-            .iter()
-            .filter(|l| !l.children.is_empty() && self.descs[l.top].offers(Fidelity::Recompute))
-            .collect();
-        let ranked: Vec<Vec<usize>> = groups
-            .iter()
-            .map(|l| {
-                let mut ch: Vec<(f64, usize)> = l
-                    .children
-                    .iter()
-                    .filter(|&&c| self.descs[c].offers(Fidelity::Recompute))
-                    .filter_map(|&c| {
-                        let secs = self.seconds(c, Fidelity::Recompute, shape)?;
-                        Some((secs / self.instances[c].own_saved_bytes.max(1) as f64, c))
-                    })
-                    .collect();
-                ch.sort_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)));
-                ch.into_iter().map(|(_, c)| c).collect()
-            })
-            .collect();
-        let mut out = Vec::new();
-        for k in 1..=groups.len() {
-            let split = groups.len() - k;
-            let n = ranked[split..].iter().map(Vec::len).max().unwrap_or(0);
-            for j in 0..=n {
-                let mut a = HashMap::new();
-                for l in &groups[..split] {
-                    a.insert(l.top, Fidelity::Recompute);
-                }
-                for r in &ranked[split..] {
-                    for &c in r.iter().take(j) {
-                        a.insert(c, Fidelity::Recompute);
-                    }
-                }
-                out.push(a);
-            }
-        }
-        out
     }
 
     /// The smallest ledger peak among the least-memory plans the allocator can build

@@ -28,7 +28,7 @@
 //! fits: at a budget of full recompute's own peak, Megatron-style selective recompute (one
 //! layer kept, its cheap units recomputed) fits in a few KiB of slack the additive sum
 //! does not have. So the planner also weighs a small family of exact plans of that shape
-//! ([`Allocator::selective_candidates`]: the last `k` groups with children opened, each
+//! ([`Allocator::selective_candidates`], in [`baselines`]: the last `k` groups with children opened, each
 //! recomputing its `j` children cheapest to recompute per saved byte and storing the
 //! rest, the other groups recomputed whole), checked with the simulator, and takes one
 //! for a microbatch when it fits and is faster than the DP's fastest plan at the capacity
@@ -65,6 +65,7 @@
 //! carries no risk) and the searches add what compression the risk budget allows; only
 //! when no exact plan fits either is the risk budget reported infeasible.
 
+pub mod baselines;
 mod capacity;
 mod decision;
 mod problem;

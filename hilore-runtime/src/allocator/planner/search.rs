@@ -2,12 +2,8 @@
 //! policy of its own), and the last steps of a microbatch's plan.
 
 use super::super::solver::{Choice, Pick, Problem, Selection};
-use super::{
-    others_risk, Allocator, Decision, MicrobatchInput, Offer, Peaks, Start, StepContext,
-    REFINE_SIMULATIONS,
-};
+use super::{others_risk, Allocator, Decision, Peaks, Start, StepContext, REFINE_SIMULATIONS};
 use crate::{Error, Fidelity, Result};
-use std::time::Instant;
 
 impl Allocator {
     /// Exact local search from `picks` (whose exact peak fits `avail`): repeatedly apply
@@ -100,38 +96,6 @@ impl Allocator {
             break;
         }
         Ok(found.map(|peak| (cur, peak)))
-    }
-
-    /// Greedy by cost per byte (the Adacc-style baseline): starting from every instance
-    /// stored, repeatedly take the change that adds the least predicted time per byte
-    /// saved, among changes whose risk (with `assumed_exposure`) keeps the total under
-    /// `risk_budget`, until the exact peak fits.
-    pub fn plan_greedy(
-        &self,
-        mb: &MicrobatchInput,
-        total_budget: usize,
-        risk_budget: f64,
-        offer: &Offer,
-        assumed_exposure: f64,
-    ) -> Result<Decision> {
-        let t0 = Instant::now();
-        let avail = self
-            .activation_budget(total_budget)
-            .ok_or_else(|| self.infeasible_memory(total_budget, offer))?;
-        // Risks in the knapsack are squared (they add in quadrature).
-        let risk_budget = risk_budget * risk_budget;
-        let p = self.problem(mb, assumed_exposure, offer, i64::MAX, risk_budget)?;
-        let mut checks = 0;
-        let mut peaks = Peaks::default();
-        let cap = (risk_budget, 0.0);
-        let Some((picks, peak)) =
-            self.greedy(&p, avail as i64, cap, false, &mut peaks, &mut checks)?
-        else {
-            return Err(self.infeasible_memory(total_budget, offer));
-        };
-        let mut d = self.decision("adacc-style", &p, &p.selection(picks, 0.0), peak, checks);
-        d.solve_seconds = t0.elapsed().as_secs_f64();
-        Ok(d)
     }
 
     /// Every instance stored (every group opened where it can be): where the greedy by
