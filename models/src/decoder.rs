@@ -112,18 +112,126 @@ impl Dims {
     }
 }
 
-/// A projection `x W^T (+ b)`, with HF's `[out, in]` weight layout.
+/// Calls `$f(name, &[mut] param)` for every parameter of the decoder `$m` in the one order
+/// [`Decoder::named_params`] documents (a projection's LoRA adapter right after its weight
+/// and bias): the single list behind `named_params` and `named_params_mut`.
+macro_rules! for_each_param {
+    ($m:expr, $f:expr, $iter:ident, $($mut:ident)?) => {{
+        let m = $m;
+        let mut f = $f;
+        f("model.embed_tokens.weight".into(), &$($mut)? m.embed_tokens);
+        for (l, layer) in m.layers.$iter().enumerate() {
+            let p = format!("model.layers.{l}");
+            f(format!("{p}.input_layernorm.weight"), &$($mut)? layer.input_layernorm);
+            let a = &$($mut)? layer.self_attn;
+            for (name, lin) in [
+                ("q_proj", &$($mut)? a.q_proj),
+                ("k_proj", &$($mut)? a.k_proj),
+                ("v_proj", &$($mut)? a.v_proj),
+                ("o_proj", &$($mut)? a.o_proj),
+            ] {
+                let q = format!("{p}.self_attn.{name}");
+                f(format!("{q}.weight"), &$($mut)? lin.weight);
+                if let Some(b) = &$($mut)? lin.bias {
+                    f(format!("{q}.bias"), b);
+                }
+                if let Some(lora) = &$($mut)? lin.lora {
+                    f(format!("{q}.lora_A.weight"), &$($mut)? lora.a);
+                    f(format!("{q}.lora_B.weight"), &$($mut)? lora.b);
+                }
+            }
+            if let Some(w) = &$($mut)? a.q_norm {
+                f(format!("{p}.self_attn.q_norm.weight"), w);
+            }
+            if let Some(w) = &$($mut)? a.k_norm {
+                f(format!("{p}.self_attn.k_norm.weight"), w);
+            }
+            f(
+                format!("{p}.post_attention_layernorm.weight"),
+                &$($mut)? layer.post_attention_layernorm,
+            );
+            let mlp = &$($mut)? layer.mlp;
+            for (name, lin) in [
+                ("gate_proj", &$($mut)? mlp.gate_proj),
+                ("up_proj", &$($mut)? mlp.up_proj),
+                ("down_proj", &$($mut)? mlp.down_proj),
+            ] {
+                let q = format!("{p}.mlp.{name}");
+                f(format!("{q}.weight"), &$($mut)? lin.weight);
+                if let Some(lora) = &$($mut)? lin.lora {
+                    f(format!("{q}.lora_A.weight"), &$($mut)? lora.a);
+                    f(format!("{q}.lora_B.weight"), &$($mut)? lora.b);
+                }
+            }
+        }
+        f("model.norm.weight".into(), &$($mut)? m.norm);
+        if let Some(w) = &$($mut)? m.lm_head {
+            f("lm_head.weight".into(), w);
+        }
+    }};
+}
+
+/// A projection `x W^T (+ b)`, with HF's `[out, in]` weight layout, and optionally a
+/// low-rank adapter.
 #[derive(Debug, Clone)]
 pub struct Linear {
     /// `[out, in]`.
     pub weight: Var,
     /// `[out]`, if the projection has a bias.
     pub bias: Option<Var>,
+    /// A LoRA adapter ([`Decoder::add_lora`]).
+    pub lora: Option<Lora>,
 }
+
+/// A low-rank adapter (LoRA, Hu et al. 2021, "LoRA: Low-Rank Adaptation of Large
+/// Language Models"): the projection becomes `x W^T (+ b) + scale * (x A^T) B^T`, with
+/// `W` frozen and only `A` and `B` trained. PEFT's layout and names: `A` is
+/// `lora_A.weight`, `B` is `lora_B.weight`, `scale` is `alpha / rank`.
+#[derive(Debug, Clone)]
+pub struct Lora {
+    /// `[rank, in]`.
+    pub a: Var,
+    /// `[out, rank]`.
+    pub b: Var,
+    /// `alpha / rank`.
+    pub scale: f64,
+}
+
+/// Which projections get adapters and how ([`Decoder::add_lora`]).
+#[derive(Debug, Clone, PartialEq)]
+pub struct LoraConfig {
+    /// The adapters' rank `r`.
+    pub rank: usize,
+    /// The scale's numerator: the update is `alpha / rank * B A`.
+    pub alpha: f64,
+    /// The projections adapted, by their HF names (`q_proj`, `k_proj`, `v_proj`,
+    /// `o_proj`, `gate_proj`, `up_proj`, `down_proj`).
+    pub targets: Vec<String>,
+}
+
+/// The projections of a layer, by their HF names.
+pub const PROJECTIONS: [&str; 7] = [
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+];
 
 impl Linear {
     fn forward(&self, cx: &mut Cx, x: &Var) -> Result<Var> {
-        cx.linear(x, &self.weight, self.bias.as_ref())
+        let y = cx.linear(x, &self.weight, self.bias.as_ref())?;
+        match &self.lora {
+            None => Ok(y),
+            Some(l) => {
+                let down = cx.linear(x, &l.a, None)?;
+                let up = cx.linear(&down, &l.b, None)?;
+                let up = cx.scale(&up, l.scale)?;
+                cx.add(&y, &up)
+            }
+        }
     }
 }
 
@@ -454,6 +562,7 @@ impl Decoder {
                         } else {
                             None
                         },
+                        lora: None,
                     })
                 };
             let b = cfg.attention_bias;
@@ -557,7 +666,8 @@ impl Decoder {
     /// the embedding, each layer (input norm, q/k/v projections with their biases when
     /// present, o projection and its bias when present, Qwen3's q/k norms, post-attention
     /// norm, gate/up/down), the final norm, and `lm_head.weight` unless the embeddings are
-    /// tied.
+    /// tied. A projection's LoRA adapter ([`Decoder::add_lora`]) follows its weight and
+    /// bias, PEFT's `lora_A.weight` then `lora_B.weight`.
     pub fn named_params(&self) -> Vec<(String, Var)> {
         let mut out = Vec::new();
         self.visit(|name, v| out.push((name, v.clone())));
@@ -567,98 +677,71 @@ impl Decoder {
     /// Mutable access to every parameter (e.g. for an optimizer step with
     /// [`Var::set_tensor`]), in [`Decoder::named_params`] order.
     pub fn named_params_mut(&mut self) -> Vec<(String, &mut Var)> {
-        let mut out: Vec<(String, &mut Var)> =
-            vec![("model.embed_tokens.weight".into(), &mut self.embed_tokens)];
-        for (l, layer) in self.layers.iter_mut().enumerate() {
-            let p = format!("model.layers.{l}");
-            out.push((
-                format!("{p}.input_layernorm.weight"),
-                &mut layer.input_layernorm,
-            ));
-            let a = &mut layer.self_attn;
-            for (name, lin) in [
-                ("q_proj", &mut a.q_proj),
-                ("k_proj", &mut a.k_proj),
-                ("v_proj", &mut a.v_proj),
-            ] {
-                out.push((format!("{p}.self_attn.{name}.weight"), &mut lin.weight));
-                if let Some(b) = &mut lin.bias {
-                    out.push((format!("{p}.self_attn.{name}.bias"), b));
-                }
-            }
-            out.push((format!("{p}.self_attn.o_proj.weight"), &mut a.o_proj.weight));
-            if let Some(b) = &mut a.o_proj.bias {
-                out.push((format!("{p}.self_attn.o_proj.bias"), b));
-            }
-            if let Some(w) = &mut a.q_norm {
-                out.push((format!("{p}.self_attn.q_norm.weight"), w));
-            }
-            if let Some(w) = &mut a.k_norm {
-                out.push((format!("{p}.self_attn.k_norm.weight"), w));
-            }
-            out.push((
-                format!("{p}.post_attention_layernorm.weight"),
-                &mut layer.post_attention_layernorm,
-            ));
-            let m = &mut layer.mlp;
-            out.push((format!("{p}.mlp.gate_proj.weight"), &mut m.gate_proj.weight));
-            out.push((format!("{p}.mlp.up_proj.weight"), &mut m.up_proj.weight));
-            out.push((format!("{p}.mlp.down_proj.weight"), &mut m.down_proj.weight));
-        }
-        out.push(("model.norm.weight".into(), &mut self.norm));
-        if let Some(w) = &mut self.lm_head {
-            out.push(("lm_head.weight".into(), w));
-        }
+        let mut out: Vec<(String, &mut Var)> = Vec::new();
+        for_each_param!(self, |name, v| out.push((name, v)), iter_mut, mut);
         out
     }
 
     fn visit(&self, mut f: impl FnMut(String, &Var)) {
-        f("model.embed_tokens.weight".into(), &self.embed_tokens);
-        for (l, layer) in self.layers.iter().enumerate() {
-            let p = format!("model.layers.{l}");
-            f(
-                format!("{p}.input_layernorm.weight"),
-                &layer.input_layernorm,
-            );
-            let a = &layer.self_attn;
+        for_each_param!(self, |name, v| f(name, v), iter,);
+    }
+
+    /// Turns the model into a LoRA model: every weight is frozen ([`Var::frozen`]: no
+    /// gradient, never activation memory, never compressed) and each projection named in
+    /// `cfg.targets` gets an adapter, `A` uniform in `±1/sqrt(in)` from `seed` (a
+    /// counter-based stream per adapter) and `B` zero, so the model computes what it did.
+    /// The trainable parameters ([`Var::requires_grad`]) are then the adapters alone.
+    pub fn add_lora(&mut self, cfg: &LoraConfig, seed: u64) -> Result<()> {
+        if cfg.rank == 0 || !(cfg.alpha.is_finite() && cfg.alpha > 0.0) {
+            return Err(Error::Tape(format!(
+                "LoRA: rank {} and alpha {} must be positive (rank 8 and alpha 16 are common)",
+                cfg.rank, cfg.alpha
+            )));
+        }
+        if let Some(t) = cfg
+            .targets
+            .iter()
+            .find(|t| !PROJECTIONS.contains(&t.as_str()))
+        {
+            return Err(Error::Tape(format!(
+                "LoRA: unknown target `{t}`; the projections are {}",
+                PROJECTIONS.join(", ")
+            )));
+        }
+        for (_, v) in self.named_params_mut() {
+            *v = Var::frozen(v.tensor().clone());
+        }
+        let scale = cfg.alpha / cfg.rank as f64;
+        for (l, layer) in self.layers.iter_mut().enumerate() {
+            let a = &mut layer.self_attn;
+            let m = &mut layer.mlp;
             for (name, lin) in [
-                ("q_proj", &a.q_proj),
-                ("k_proj", &a.k_proj),
-                ("v_proj", &a.v_proj),
+                ("q_proj", &mut a.q_proj),
+                ("k_proj", &mut a.k_proj),
+                ("v_proj", &mut a.v_proj),
+                ("o_proj", &mut a.o_proj),
+                ("gate_proj", &mut m.gate_proj),
+                ("up_proj", &mut m.up_proj),
+                ("down_proj", &mut m.down_proj),
             ] {
-                f(format!("{p}.self_attn.{name}.weight"), &lin.weight);
-                if let Some(b) = &lin.bias {
-                    f(format!("{p}.self_attn.{name}.bias"), b);
+                if !cfg.targets.iter().any(|t| t == name) {
+                    continue;
                 }
+                let (out, inp) = lin.weight.tensor().dims2()?;
+                let device = lin.weight.tensor().device().clone();
+                let bound = 1.0 / (inp as f64).sqrt();
+                let mut rng = SplitMix64::for_stream(seed, &format!("lora-{l}-{name}"));
+                let av: Vec<f32> = (0..cfg.rank * inp)
+                    .map(|_| ((2.0 * rng.uniform() - 1.0) * bound) as f32)
+                    .collect();
+                lin.lora = Some(Lora {
+                    a: Var::param(Tensor::from_vec(av, (cfg.rank, inp), &device)?),
+                    b: Var::param(Tensor::zeros((out, cfg.rank), DType::F32, &device)?),
+                    scale,
+                });
             }
-            f(format!("{p}.self_attn.o_proj.weight"), &a.o_proj.weight);
-            if let Some(b) = &a.o_proj.bias {
-                f(format!("{p}.self_attn.o_proj.bias"), b);
-            }
-            if let Some(w) = &a.q_norm {
-                f(format!("{p}.self_attn.q_norm.weight"), w);
-            }
-            if let Some(w) = &a.k_norm {
-                f(format!("{p}.self_attn.k_norm.weight"), w);
-            }
-            f(
-                format!("{p}.post_attention_layernorm.weight"),
-                &layer.post_attention_layernorm,
-            );
-            f(
-                format!("{p}.mlp.gate_proj.weight"),
-                &layer.mlp.gate_proj.weight,
-            );
-            f(format!("{p}.mlp.up_proj.weight"), &layer.mlp.up_proj.weight);
-            f(
-                format!("{p}.mlp.down_proj.weight"),
-                &layer.mlp.down_proj.weight,
-            );
         }
-        f("model.norm.weight".into(), &self.norm);
-        if let Some(w) = &self.lm_head {
-            f("lm_head.weight".into(), w);
-        }
+        Ok(())
     }
 
     /// Number of scalar parameters (a tied head counted once).

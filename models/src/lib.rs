@@ -88,8 +88,8 @@ pub use config::{
     SUPPORTED_ROPE_TYPES,
 };
 pub use decoder::{
-    Attention, Decoder, DecoderLayer, Dims, Linear, Mlp, DEFAULT_LOGITS_CHUNK_ELEMS, INIT_STD,
-    NORM_INIT_STD,
+    Attention, Decoder, DecoderLayer, Dims, Linear, Lora, LoraConfig, Mlp,
+    DEFAULT_LOGITS_CHUNK_ELEMS, INIT_STD, NORM_INIT_STD, PROJECTIONS,
 };
 pub use error::ModelError;
 

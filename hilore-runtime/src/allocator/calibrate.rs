@@ -1,5 +1,5 @@
 //! Calibration: measure recompute and codec times and the per-unit sensitivity `kappa`
-//! on real passes, through a [`Runner`] that runs one microbatch under a plan.
+//! on real passes of a [`Workload`]'s microbatches, each run under a plan.
 //!
 //! - Recompute time: for every unit that may be recomputed and every calibration
 //!   microbatch, a pass with every instance of that unit recomputed; the tape's
@@ -22,6 +22,7 @@
 use super::costs::MicrobatchShape;
 use super::planner::{Allocator, MicrobatchInput};
 use super::risk::grad_error;
+use super::workload::Workload;
 use crate::{Fidelity, Plan, Result, TapeTimes};
 use std::collections::BTreeMap;
 
@@ -34,12 +35,6 @@ pub struct PassResult {
     pub times: TapeTimes,
     /// Forward seconds.
     pub forward_seconds: f64,
-}
-
-/// Runs microbatch `mb` (an index into the calibration set) under `plan`.
-pub trait Runner {
-    /// One forward + backward.
-    fn run(&mut self, mb: usize, plan: &Plan) -> Result<PassResult>;
 }
 
 /// What calibration measured (for reports).
@@ -55,19 +50,20 @@ pub struct CalibrationReport {
     pub passes: usize,
 }
 
-/// Calibrates `alloc`'s cost and risk models. `mbs` are the calibration microbatches
-/// (their shapes should differ in squared lengths so the attention fit is determined);
-/// `kappa_mb` is the one whose passes calibrate `kappa` and the codecs; `codecs` the
-/// codecs to calibrate. `progress` is called after every pass.
+/// Calibrates `alloc`'s cost and risk models on microbatches `mbs` of `w` (indices; their
+/// shapes should differ in squared lengths so the attention fit is determined);
+/// `kappa_mb` (a position in `mbs`) is the one whose passes calibrate `kappa` and the
+/// codecs; `codecs` the codecs to calibrate. `progress` is called after every pass.
 pub fn calibrate(
     alloc: &mut Allocator,
-    runner: &mut dyn Runner,
-    mbs: &[MicrobatchInput],
+    w: &mut dyn Workload,
+    mbs: &[usize],
     kappa_mb: usize,
     codecs: &[&'static str],
     progress: &mut dyn FnMut(&str),
 ) -> Result<CalibrationReport> {
     let mut report = CalibrationReport::default();
+    let inputs: Vec<MicrobatchInput> = mbs.iter().map(|&i| w.input(i)).collect();
     // Units by name, with their instances and what they offer.
     let mut units: BTreeMap<&'static str, Vec<usize>> = BTreeMap::new();
     for (i, b) in alloc.instances().iter().enumerate() {
@@ -77,7 +73,7 @@ pub fn calibrate(
     let mut sum_grad: Vec<f64> = Vec::new();
     let mut fwd = 0.0;
     for (m, _) in mbs.iter().enumerate() {
-        let r = runner.run(m, &Plan::store_all())?;
+        let r = w.run(mbs[m], &Plan::store_all())?;
         report.passes += 1;
         progress("exact");
         fwd += r.forward_seconds;
@@ -91,7 +87,7 @@ pub fn calibrate(
     }
     // Microbatch gradients add in quadrature (see `risk`): the exact gradient's norm is
     // modelled as gamma * sqrt(sum E_m^2).
-    let exposure_norm: f64 = mbs
+    let exposure_norm: f64 = inputs
         .iter()
         .map(|m| m.exposure * m.exposure)
         .sum::<f64>()
@@ -154,7 +150,7 @@ pub fn calibrate(
         a == b || inside(a, b) || inside(b, a)
     };
     let mut pending: Vec<&'static str> = recomputable.clone();
-    let kmb = &mbs[kappa_mb];
+    let kmb = &inputs[kappa_mb];
     for &(unit, codec, values) in &compress {
         let rc = pending
             .iter()
@@ -166,7 +162,7 @@ pub fn calibrate(
         if let Some(r) = rc {
             plan = plan.with_unit(r, Fidelity::Recompute);
         }
-        let r = runner.run(kappa_mb, &plan)?;
+        let r = w.run(mbs[kappa_mb], &plan)?;
         report.passes += 1;
         progress(unit);
         if let Some(rcu) = rc {
@@ -230,7 +226,7 @@ pub fn calibrate(
             continue;
         }
         let predicted = predicted.sqrt();
-        let r = runner.run(kappa_mb, &plan)?;
+        let r = w.run(mbs[kappa_mb], &plan)?;
         report.passes += 1;
         progress("additivity");
         let (err, _, _) = grad_error(&r.grads, &exact[kappa_mb]);
@@ -241,7 +237,7 @@ pub fn calibrate(
     alloc.risk.additivity_ratio = rho;
     // Recompute timings not yet taken: every other microbatch, and what is left on the
     // kappa microbatch.
-    for (m, mb) in mbs.iter().enumerate() {
+    for (m, mb) in inputs.iter().enumerate() {
         let todo: Vec<&'static str> = if m == kappa_mb {
             pending.clone()
         } else {
@@ -251,7 +247,7 @@ pub fn calibrate(
             let plan = Plan::store_all()
                 .with_unit(unit, Fidelity::Recompute)
                 .named(format!("calibrate recompute {unit}"));
-            let r = runner.run(m, &plan)?;
+            let r = w.run(mbs[m], &plan)?;
             report.passes += 1;
             progress(unit);
             let per = r.times.recompute.as_secs_f64() / units[unit].len() as f64;

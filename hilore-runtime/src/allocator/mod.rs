@@ -9,7 +9,7 @@
 //! multiple-choice knapsack ([`solver`]: Lagrangian on the risk, dynamic program over
 //! memory) whose every plan is checked against the simulator, so the peak it predicts is
 //! the peak the ledger measures, byte for byte. [`calibrate()`] measures the costs and
-//! `kappa` through a [`Runner`]; the [`OnlineAllocator`] does all of it inside a training
+//! `kappa` on a [`Workload`]'s passes; the [`OnlineAllocator`] does all of it inside a training
 //! loop (`hilore train --policy hilore`); `hilore bench` compares it with the baselines.
 //!
 //! ```
@@ -38,11 +38,13 @@ pub mod online;
 mod planner;
 pub mod risk;
 pub mod solver;
+mod workload;
 
 pub use budget::{MemoryBudget, StateBytes, DEFAULT_BUDGET_FACTOR};
-pub use calibrate::{calibrate, microbatch_input, CalibrationReport, PassResult, Runner};
+pub use calibrate::{calibrate, microbatch_input, CalibrationReport, PassResult};
 pub use costs::{CostModel, MicrobatchShape};
-pub use online::{AllocatorState, OnlineAllocator, RiskState, StepPlan, Workload};
+pub use online::{AllocatorState, OnlineAllocator, RiskState, StepPlan};
 pub use planner::{baselines, Allocator, Decision, MicrobatchInput, Offer};
 pub use risk::{RiskModel, DEFAULT_TARGET_REL_L2};
 pub use solver::{Choice, Group, Infeasible, Opened, Pick, Problem, Selection, Solver};
+pub use workload::Workload;

@@ -27,40 +27,14 @@
 //!   measuring again what was measured before the checkpoint.
 
 use super::budget::{MemoryBudget, StateBytes};
-use super::calibrate::{calibrate, CalibrationReport, PassResult};
+use super::calibrate::{calibrate, CalibrationReport};
 use super::costs::CostModel;
 use super::planner::{Allocator, Decision, MicrobatchInput, Offer};
 use super::risk::RiskModel;
-use crate::{Error, Plan, Profile, Result, TapeTimes, UnitInstanceInfo};
+use super::workload::Workload;
+use crate::{Error, Result, TapeTimes};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
-
-/// What the training loop provides: its microbatches of one step.
-pub trait Workload {
-    /// Number of microbatches.
-    fn len(&self) -> usize;
-    /// Whether there are none.
-    fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-    /// Shape and exposure of microbatch `i` (before its forward).
-    fn input(&self, i: usize) -> MicrobatchInput;
-    /// A profiled store-all forward + backward of microbatch `i`.
-    fn profile(&mut self, i: usize) -> Result<(Profile, Vec<UnitInstanceInfo>)>;
-    /// One forward + backward of microbatch `i` under `plan` (calibration).
-    fn run(&mut self, i: usize, plan: &Plan) -> Result<PassResult>;
-}
-
-struct Adapter<'a> {
-    w: &'a mut dyn Workload,
-    map: Vec<usize>,
-}
-
-impl super::calibrate::Runner for Adapter<'_> {
-    fn run(&mut self, mb: usize, plan: &Plan) -> Result<PassResult> {
-        self.w.run(self.map[mb], plan)
-    }
-}
 
 /// Plans a training run's steps; see the module docs.
 pub struct OnlineAllocator {
@@ -307,17 +281,15 @@ impl OnlineAllocator {
                 } else {
                     idx
                 };
-                let cal_inputs: Vec<MicrobatchInput> = pick.iter().map(|&i| inputs[i]).collect();
                 let a = self
                     .by_tokens
                     .get_mut(&n)
                     .ok_or_else(|| Error::Tape("allocator: no profile".into()))?;
-                let mut adapter = Adapter { w, map: pick };
                 let report = calibrate(
                     a,
-                    &mut adapter,
-                    &cal_inputs,
-                    cal_inputs.len() - 1,
+                    w,
+                    &pick,
+                    pick.len() - 1,
                     &self.codecs.clone(),
                     &mut |_| {},
                 )?;
@@ -444,6 +416,7 @@ impl OnlineAllocator {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::Plan;
     use std::time::Duration;
 
     fn allocator(refresh: bool) -> OnlineAllocator {

@@ -8,9 +8,9 @@ use anyhow::Context;
 use candle_core::DType;
 use hilore_models::Decoder;
 use hilore_runtime::allocator::{
-    risk::grad_error, Allocator, MicrobatchInput, Offer, PassResult, Runner, StateBytes,
+    risk::grad_error, Allocator, MicrobatchInput, Offer, PassResult, StateBytes, Workload,
 };
-use hilore_runtime::{Cx, Grads, MemoryEvent, Plan, TapeTimes};
+use hilore_runtime::{Cx, Grads, MemoryEvent, Plan, TapeTimes, UnitInstanceInfo};
 use indicatif::ProgressBar;
 use serde::Serialize;
 use std::time::Instant;
@@ -96,13 +96,35 @@ pub(super) fn flatten(model: &Decoder, grads: &Grads) -> anyhow::Result<Vec<f32>
     Ok(out)
 }
 
-pub(super) struct CalRunner<'a> {
+/// The benchmark's microbatches as the allocator's [`Workload`] (calibration and the
+/// step-norm validation run through it), each pass ticking `bar`.
+pub(super) struct BenchWorkload<'a> {
     pub(super) model: &'a Decoder,
     pub(super) mbs: &'a [Microbatch],
     pub(super) bar: &'a ProgressBar,
 }
 
-impl Runner for CalRunner<'_> {
+impl Workload for BenchWorkload<'_> {
+    fn len(&self) -> usize {
+        self.mbs.len()
+    }
+
+    fn input(&self, i: usize) -> MicrobatchInput {
+        self.mbs[i].input
+    }
+
+    fn profile(
+        &mut self,
+        i: usize,
+    ) -> hilore_runtime::Result<(hilore_runtime::Profile, Vec<UnitInstanceInfo>)> {
+        let mb = &self.mbs[i];
+        let mut cx = Cx::new(Plan::store_all()).profiling(true);
+        let logp = self.model.token_logprobs(&mut cx, &mb.batch)?;
+        let mut g = Grads::new();
+        cx.backward(&logp, &mb.coeff_tensor, &mut g)?;
+        Ok((cx.profile()?, cx.unit_instances()))
+    }
+
     fn run(&mut self, mb: usize, plan: &Plan) -> hilore_runtime::Result<PassResult> {
         let m = run_pass(self.model, &self.mbs[mb], plan, true, false)
             .map_err(|e| hilore_runtime::Error::Tape(format!("{e:#}")))?;
@@ -382,7 +404,7 @@ pub(super) fn calibrate_step_norm_and_validate(
     target_rel_l2: f64,
 ) -> anyhow::Result<Vec<RiskValidation>> {
     let mut validation: Vec<RiskValidation> = Vec::new();
-    let mut runner = CalRunner {
+    let mut runner = BenchWorkload {
         model,
         mbs: norm_step,
         bar: cal_bar,

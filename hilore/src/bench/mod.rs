@@ -19,7 +19,7 @@ mod report;
 use crate::common::progress_bar;
 pub use args::BenchArgs;
 use measure::{
-    calibrate_step_norm_and_validate, load_average, measure, set_ratios, CalRunner, PolicyRow,
+    calibrate_step_norm_and_validate, load_average, measure, set_ratios, BenchWorkload, PolicyRow,
 };
 use plots::write_plots;
 use policies::{Ctx, Kind, PlannedPolicy};
@@ -29,8 +29,8 @@ use anyhow::Context;
 use candle_core::Device;
 use hilore_models::Decoder;
 use hilore_runtime::allocator::baselines;
+use hilore_runtime::allocator::Workload;
 use hilore_runtime::allocator::{calibrate, Allocator, MemoryBudget, StateBytes};
-use hilore_runtime::{Cx, Grads, Plan};
 use std::process::ExitCode;
 use std::time::Instant;
 use workload::{grpo_step, Microbatch, StepSpec};
@@ -92,14 +92,13 @@ pub fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
         mbs.iter().map(|m| m.zero_advantage_sequences).sum::<usize>(),
     );
 
-    // Profile.
-    let (profile, instances) = {
-        let mut cx = Cx::new(Plan::store_all()).profiling(true);
-        let logp = model.token_logprobs(&mut cx, &mbs[0].batch)?;
-        let mut g = Grads::new();
-        cx.backward(&logp, &mbs[0].coeff_tensor, &mut g)?;
-        (cx.profile()?, cx.unit_instances())
-    };
+    // Profile: one store-all pass of the measured step's first microbatch.
+    let (profile, instances) = BenchWorkload {
+        model: &model,
+        mbs: &mbs,
+        bar: &indicatif::ProgressBar::hidden(),
+    }
+    .profile(0)?;
     let mut allocator = Allocator::new(profile, &instances, state, &codecs)?;
 
     // Calibrate.
@@ -136,18 +135,18 @@ pub fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
     let cal_passes = cal_mbs.len() + compress_passes + recomputable * cal_mbs.len()
         - recomputable.min(compress_passes);
     let cal_bar = bar(cal_passes + 3 * norm_step.len(), "calibrating");
-    let cal_inputs: Vec<_> = cal_mbs.iter().map(|m| m.input).collect();
     let cal_report = {
-        let mut runner = CalRunner {
+        let mut runner = BenchWorkload {
             model: &model,
             mbs: &cal_mbs,
             bar: &cal_bar,
         };
+        let all: Vec<usize> = (0..cal_mbs.len()).collect();
         calibrate(
             &mut allocator,
             &mut runner,
-            &cal_inputs,
-            cal_inputs.len() - 1,
+            &all,
+            all.len() - 1,
             &codecs,
             &mut |_| {},
         )?

@@ -81,11 +81,19 @@ impl ActorModel for Decoder {
         Decoder::token_logprobs(self, cx, batch)
     }
 
+    /// The trainable parameters: every weight, or with LoRA ([`Decoder::add_lora`]) the
+    /// adapters alone (the frozen weights get no gradient and no optimizer state).
     fn named_params(&self) -> Vec<(String, hilore_runtime::Var)> {
         Decoder::named_params(self)
+            .into_iter()
+            .filter(|(_, v)| v.requires_grad())
+            .collect()
     }
 
     fn named_params_mut(&mut self) -> Vec<(String, &mut hilore_runtime::Var)> {
         Decoder::named_params_mut(self)
+            .into_iter()
+            .filter(|(_, v)| v.requires_grad())
+            .collect()
     }
 }
