@@ -354,7 +354,27 @@ fn expand(args: &Args, sig: &Signature, f: &ItemFn) -> Option<TokenStream> {
         #rc_new #replay,
     )};
 
+    // In a trait impl the lifetime added above makes the method differ from the trait's
+    // ("`impl` item signature doesn't match `trait` item signature"), an error that cannot
+    // name the fix. So next to a method whose lifetime the macro adds goes a hidden
+    // associated function whose name is the fix: harmless in an inherent impl, and in a
+    // trait impl it is "not a member of trait", spanned on the method's name.
+    let hint = (sig.cx_lifetime.is_none() && f.sig.receiver().is_some()).then(|| {
+        let hint_ident = Ident::new(
+            &format!(
+                "{fn_ident}__in_a_trait_impl_a_recovery_unit_needs_the_model_lifetime_written_in_the_trait_and_the_impl__fn_{fn_ident}_m_with_self_m_and_cx_m"
+            ),
+            fn_ident.span(),
+        );
+        quote! {
+            #[doc(hidden)]
+            #[allow(dead_code, non_snake_case)]
+            fn #hint_ident() {}
+        }
+    });
+
     Some(quote! {
+        #hint
         #(#attrs)*
         #vis #new_sig {
             static __HILORE_UNIT: #rt::UnitDescriptor = #rt::UnitDescriptor {

@@ -34,7 +34,9 @@ use proc_macro::TokenStream;
 /// borrows the module). In a trait impl, whose signature must match the trait's, write
 /// that lifetime in the trait and the impl alike:
 /// `fn forward<'m>(&'m self, cx: &mut Cx<'m>, x: &Var) -> Result<Var>`; the macro then
-/// adds nothing to the signature.
+/// adds nothing to the signature. Where the trait leaves it out, the build fails with
+/// "method `forward__in_a_trait_impl_a_recovery_unit_needs_the_model_lifetime_written_in_the_trait_and_the_impl__…`
+/// is not a member of trait", next to rustc's own signature mismatch.
 #[proc_macro_attribute]
 pub fn recovery_unit(args: TokenStream, item: TokenStream) -> TokenStream {
     expand::recovery_unit(args.into(), item.into()).into()

@@ -801,7 +801,7 @@ fn per_unit_round(model: &Decoder, case: &ModelCase, seed: u64) -> anyhow::Resul
     for layer in model.layers() {
         let attn = &layer.self_attn;
         let h = layer.attn_norm(&mut inf, &x)?;
-        let (q, k, v) = attn.qkv(&mut inf, &h, &b.rope)?;
+        let (q, k, v) = attn.qkv(&mut inf, &h, b.rope_tables()?)?;
         let o = attn.core(&mut inf, &q, &k, &v, &b.packing)?;
         let x_attn = attn.out(&mut inf, &o, &x)?;
         let h_mlp = layer.mlp_norm(&mut inf, &x_attn)?;
@@ -826,7 +826,10 @@ fn per_unit_round(model: &Decoder, case: &ModelCase, seed: u64) -> anyhow::Resul
         add(
             "qkv",
             unit_fb(&g_qkv, |cx| {
-                let (q, k, v) = attn.qkv(cx, &leaf(&h_t), &b.rope)?;
+                let rope = b
+                    .rope_tables()
+                    .map_err(|e| hilore_runtime::Error::Tape(e.to_string()))?;
+                let (q, k, v) = attn.qkv(cx, &leaf(&h_t), rope)?;
                 cx.cat(&[&q, &k, &v], 1)
             })?,
         );

@@ -11,7 +11,8 @@ use hilore_runtime::{Packing, RopeTables};
 /// `L - 1` as targets (token `i + 1` is the target at input position `i`), so the batch
 /// has `N = sum(L - 1)` rows. `packing` says where each sequence's rows are (attention
 /// never crosses them) and `rope` holds the rotary tables of every row's position within
-/// its sequence, built once and shared by every layer. Cloning is cheap.
+/// its sequence, built once and shared by every layer; a model with learned or no
+/// positions packs without them ([`TokenBatch::pack`]). Cloning is cheap.
 #[derive(Debug, Clone)]
 pub struct TokenBatch {
     /// Input token ids, `u32 [N]`.
@@ -20,16 +21,33 @@ pub struct TokenBatch {
     pub targets: Tensor,
     /// Sequence boundaries and positions.
     pub packing: Packing,
-    /// RoPE cosines and sines of every row, `f32 [N, head_dim / 2]` each.
-    pub rope: RopeTables,
+    /// RoPE cosines and sines of every row, `f32 [N, head_dim / 2]` each (none from
+    /// [`TokenBatch::pack`]).
+    pub rope: Option<RopeTables>,
 }
 
 impl TokenBatch {
     /// Packs `seqs` (each at least 2 tokens, every id below `cfg.vocab_size`, at most
-    /// `cfg.max_position_embeddings + 1` tokens).
+    /// `cfg.max_position_embeddings + 1` tokens) with the config's RoPE tables.
     pub fn from_sequences(
         seqs: &[Vec<u32>],
         cfg: &DecoderConfig,
+        device: &Device,
+    ) -> Result<Self, ModelError> {
+        let mut b = Self::pack(seqs, cfg.vocab_size, cfg.max_position_embeddings, device)?;
+        // The config's tables: RoPE scaling included.
+        b.rope =
+            Some(cfg.rope_tables(&b.packing.positions().to_vec1::<u32>()?, DType::F32, device)?);
+        Ok(b)
+    }
+
+    /// Packs `seqs` (each at least 2 tokens, every id below `vocab_size`, at most
+    /// `max_positions + 1` tokens) without RoPE tables: the batch of a model with learned
+    /// or no positions (the packing's positions restart at 0 in every sequence).
+    pub fn pack(
+        seqs: &[Vec<u32>],
+        vocab_size: usize,
+        max_positions: usize,
         device: &Device,
     ) -> Result<Self, ModelError> {
         if seqs.is_empty() {
@@ -47,22 +65,22 @@ impl TokenBatch {
                     s.len()
                 )));
             }
-            if s.len() - 1 > cfg.max_position_embeddings {
+            if s.len() - 1 > max_positions {
                 return Err(ModelError::Batch(format!(
-                    "sequence {i} has {} tokens, so {} input positions, more than max_position_embeddings = {}",
+                    "sequence {i} has {} tokens, so {} input positions, more than the model's {} positions (max_position_embeddings)",
                     s.len(),
                     s.len() - 1,
-                    cfg.max_position_embeddings
+                    max_positions
                 )));
             }
             if let Some((j, &t)) = s
                 .iter()
                 .enumerate()
-                .find(|(_, &t)| t as usize >= cfg.vocab_size)
+                .find(|(_, &t)| t as usize >= vocab_size)
             {
                 return Err(ModelError::Batch(format!(
                     "sequence {i}, token {j} is id {t}, outside the vocabulary of {} ids",
-                    cfg.vocab_size
+                    vocab_size
                 )));
             }
             inputs.extend_from_slice(&s[..s.len() - 1]);
@@ -71,13 +89,11 @@ impl TokenBatch {
         }
         let n = inputs.len();
         let packing = Packing::new(&lengths, device)?;
-        // The config's tables: RoPE scaling included.
-        let rope = cfg.rope_tables(&packing.positions().to_vec1::<u32>()?, DType::F32, device)?;
         Ok(TokenBatch {
             inputs: Tensor::from_vec(inputs, n, device)?,
             targets: Tensor::from_vec(targets, n, device)?,
             packing,
-            rope,
+            rope: None,
         })
     }
 
@@ -101,6 +117,15 @@ impl TokenBatch {
         Self::from_sequences(&seqs, cfg, device)
     }
 
+    /// The RoPE tables, or an error saying how to build a batch that has them.
+    pub fn rope_tables(&self) -> Result<&RopeTables, ModelError> {
+        self.rope.as_ref().ok_or_else(|| {
+            ModelError::Batch(
+                "this batch has no RoPE tables (TokenBatch::pack makes none): a model with rotary positions needs them; build the batch with TokenBatch::from_sequences(seqs, config, device)".into(),
+            )
+        })
+    }
+
     /// Number of rows `N` (input tokens, one log-prob each).
     pub fn num_tokens(&self) -> usize {
         self.packing.total_tokens()
@@ -114,5 +139,51 @@ impl TokenBatch {
     /// Rows of each sequence (its token count minus one).
     pub fn lengths(&self) -> Vec<usize> {
         self.packing.lengths()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::Decoder;
+    use hilore_runtime::{Cx, Plan};
+
+    /// A batch packed without RoPE tables (for a model with learned positions) has the
+    /// same rows, targets and packing as the decoder's; the decoder refuses it with the
+    /// constructor that makes its tables, instead of failing inside a layer.
+    #[test]
+    fn a_batch_without_rope_is_the_same_packing_and_the_decoder_names_the_fix() {
+        let cfg = DecoderConfig::tiny();
+        let dev = Device::Cpu;
+        let seqs = vec![vec![1u32, 2, 3, 4], vec![5, 6, 7]];
+        let plain =
+            TokenBatch::pack(&seqs, cfg.vocab_size, cfg.max_position_embeddings, &dev).unwrap();
+        let full = TokenBatch::from_sequences(&seqs, &cfg, &dev).unwrap();
+        assert!(plain.rope.is_none() && full.rope.is_some());
+        let ids = |t: &Tensor| t.to_vec1::<u32>().unwrap();
+        assert_eq!(ids(&plain.inputs), ids(&full.inputs));
+        assert_eq!(ids(&plain.targets), ids(&full.targets));
+        assert_eq!(
+            plain.packing.offsets().to_vec(),
+            full.packing.offsets().to_vec()
+        );
+        let m = Decoder::random(&cfg, 0, &dev).unwrap();
+        let e = m
+            .token_logprobs(&mut Cx::new(Plan::store_all()), &plain)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("no RoPE tables") && e.contains("TokenBatch::from_sequences"),
+            "{e}"
+        );
+        // The checks on sequences are the same for both constructors.
+        let e = TokenBatch::pack(&[vec![1u32]], cfg.vocab_size, 8, &dev)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("at least 2"), "{e}");
+        let e = TokenBatch::pack(&[vec![1u32; 12]], cfg.vocab_size, 8, &dev)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("more than the model's 8 positions"), "{e}");
     }
 }

@@ -785,12 +785,12 @@ impl Decoder {
     /// a recovery unit whose fidelity comes from `cx`'s plan. With [`Cx::inference`] the
     /// same code only computes.
     pub fn token_logprobs<'m>(&'m self, cx: &mut Cx<'m>, batch: &TokenBatch) -> Result<Var> {
-        self.check_batch(batch)?;
+        let rope = self.check_batch(batch)?;
         let ids = Var::constant(batch.inputs.clone());
         let targets = Var::constant(batch.targets.clone());
         let mut x = self.embed(cx, &ids)?;
         for layer in &self.layers {
-            x = layer.forward(cx, &x, &batch.packing, &batch.rope)?;
+            x = layer.forward(cx, &x, &batch.packing, rope)?;
         }
         self.head(cx, &x, &targets)
     }
@@ -800,34 +800,37 @@ impl Decoder {
     /// the head. Materializes all `N x vocab` logits at once: for inspection, tests and
     /// small batches (training and scoring use the chunked log-probs of the `head` unit).
     pub fn logits<'m>(&'m self, cx: &mut Cx<'m>, batch: &TokenBatch) -> Result<Var> {
-        self.check_batch(batch)?;
+        let rope = self.check_batch(batch)?;
         let ids = Var::constant(batch.inputs.clone());
         let mut x = self.embed(cx, &ids)?;
         for layer in &self.layers {
-            x = layer.forward(cx, &x, &batch.packing, &batch.rope)?;
+            x = layer.forward(cx, &x, &batch.packing, rope)?;
         }
         let h = cx.rms_norm(&x, &self.norm, self.dims.eps)?;
         cx.linear(&h, self.head_weight(), None)
     }
 
-    fn check_batch(&self, batch: &TokenBatch) -> Result<()> {
+    /// Checks that `batch` fits the model; gives its RoPE tables.
+    fn check_batch<'b>(&self, batch: &'b TokenBatch) -> Result<&'b RopeTables> {
         let n = batch.num_tokens();
         let bad = |what: String| {
             Err(Error::Tape(format!("token batch does not fit the model: {what}; build it with TokenBatch::from_sequences for this model's config")))
         };
-        if batch.inputs.dims() != [n] || batch.targets.dims() != [n] || batch.rope.num_tokens() != n
-        {
+        let rope = batch
+            .rope_tables()
+            .map_err(|e| Error::Tape(e.to_string()))?;
+        if batch.inputs.dims() != [n] || batch.targets.dims() != [n] || rope.num_tokens() != n {
             return bad(format!(
                 "inputs {:?}, targets {:?} and rope tables of {} rows should all have the packing's {n} rows",
                 batch.inputs.dims(),
                 batch.targets.dims(),
-                batch.rope.num_tokens()
+                rope.num_tokens()
             ));
         }
-        if batch.rope.head_dim() != self.cfg.head_dim {
+        if rope.head_dim() != self.cfg.head_dim {
             return bad(format!(
                 "rope tables are for head_dim {}, the model has {}",
-                batch.rope.head_dim(),
+                rope.head_dim(),
                 self.cfg.head_dim
             ));
         }
@@ -840,6 +843,6 @@ impl Decoder {
                 ));
             }
         }
-        Ok(())
+        Ok(rope)
     }
 }

@@ -101,8 +101,8 @@ impl CandleDecoder {
         );
         let group = hq / hkv;
         let n = batch.num_tokens();
-        let cos = Tensor::cat(&[batch.rope.cos(), batch.rope.cos()], 1)?;
-        let sin = Tensor::cat(&[batch.rope.sin(), batch.rope.sin()], 1)?;
+        let cos = Tensor::cat(&[batch.rope_tables()?.cos(), batch.rope_tables()?.cos()], 1)?;
+        let sin = Tensor::cat(&[batch.rope_tables()?.sin(), batch.rope_tables()?.sin()], 1)?;
         let scale = 1.0 / (d as f64).sqrt();
         let offsets = batch.packing.offsets().to_vec();
         let mut x = self

@@ -90,7 +90,7 @@ fn forward<'m, M: Module>(
     let mut x = model.embed(cx, &ids)?;
     for (layer, mlp) in model.layers().iter().zip(mlps) {
         let h = layer.attn_norm(cx, &x)?;
-        let (q, k, v) = layer.self_attn.qkv(cx, &h, &batch.rope)?;
+        let (q, k, v) = layer.self_attn.qkv(cx, &h, batch.rope_tables().unwrap())?;
         let o = layer.self_attn.core(cx, &q, &k, &v, &batch.packing)?;
         x = layer.self_attn.out(cx, &o, &x)?;
         x = mlp.forward(cx, &x)?;

@@ -14,7 +14,7 @@
 use anyhow::Context;
 use candle_core::Device;
 use hilore::train::ActorModel;
-use hilore_models::{rng::normal_tensor, DecoderConfig, TokenBatch};
+use hilore_models::{rng::normal_tensor, TokenBatch};
 use hilore_runtime::{recovery_unit, Cx, Packing, Result, Var};
 
 pub mod reference;
@@ -188,18 +188,15 @@ impl Gpt2 {
 
 impl ActorModel for Gpt2 {
     fn batch(&self, seqs: &[Vec<u32>]) -> anyhow::Result<TokenBatch> {
-        // The packing (positions restart per sequence) and the targets; the batch's RoPE
-        // tables go unused by a model with learned positions.
-        let cfg = DecoderConfig {
-            vocab_size: self.cfg.vocab_size,
-            max_position_embeddings: self.cfg.n_positions,
-            hidden_size: self.cfg.n_embd,
-            num_attention_heads: self.cfg.n_head,
-            num_key_value_heads: self.cfg.n_head,
-            head_dim: self.cfg.head_dim(),
-            ..DecoderConfig::tiny()
-        };
-        TokenBatch::from_sequences(seqs, &cfg, self.wte.device()).context("packing a GPT-2 batch")
+        // The packing (positions restart per sequence) and the targets; learned
+        // positions need no RoPE tables.
+        TokenBatch::pack(
+            seqs,
+            self.cfg.vocab_size,
+            self.cfg.n_positions,
+            self.wte.device(),
+        )
+        .context("packing a GPT-2 batch")
     }
 
     fn token_logprobs<'m>(&'m self, cx: &mut Cx<'m>, batch: &TokenBatch) -> Result<Var> {
