@@ -87,21 +87,9 @@ fn a_model_of_ones_own_trains_through_the_actor_update() {
         vec![8, 9, 3],
         vec![8, 9, 4, 10],
     ];
-    let prompt_lens = vec![2; 4];
-    let response_lens: Vec<usize> = seqs.iter().map(|s| s.len() - 2).collect();
     let rewards = vec![1.0, 0.0, 0.0, 1.0];
-    let rollout = Rollout {
-        examples: Vec::new(),
-        sampled_logp: response_lens.iter().map(|&l| vec![0.0; l]).collect(),
-        texts: vec![String::new(); 4],
-        correct: rewards.iter().map(|&r| r == 1.0).collect(),
-        seqs,
-        prompt_lens,
-        response_lens,
-        truncated: vec![false; 4],
-        rewards: rewards.clone(),
-        seconds: 0.0,
-    };
+    let prompt_lens = vec![2; seqs.len()];
+    let rollout = Rollout::scored(seqs, prompt_lens, rewards.clone());
     let adv = advantages(&rewards, 2, Default::default(), 1e-4).unwrap();
     let run = |fidelity: Fidelity| {
         let mut m = model_seeded();

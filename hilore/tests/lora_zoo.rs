@@ -294,21 +294,9 @@ fn grpo_trains_the_adapters_alone() {
         .map(|(n, v)| (n, values(&v)))
         .collect();
     let s = seqs(10, 8, cfg.vocab_size);
-    let prompt_lens = vec![3; s.len()];
-    let response_lens: Vec<usize> = s.iter().map(|x| x.len() - 3).collect();
     let rewards: Vec<f32> = (0..s.len()).map(|i| (i % 3 == 0) as u8 as f32).collect();
-    let rollout = Rollout {
-        examples: Vec::new(),
-        sampled_logp: response_lens.iter().map(|&l| vec![0.0; l]).collect(),
-        texts: vec![String::new(); s.len()],
-        correct: rewards.iter().map(|&r| r == 1.0).collect(),
-        seqs: s,
-        prompt_lens,
-        response_lens,
-        truncated: vec![false; 8],
-        rewards: rewards.clone(),
-        seconds: 0.0,
-    };
+    let prompt_lens = vec![3; s.len()];
+    let rollout = Rollout::scored(s, prompt_lens, rewards.clone());
     let adv = advantages(&rewards, 4, Default::default(), 1e-4).unwrap();
     let trainable: usize = ActorModel::named_params(&m)
         .iter()

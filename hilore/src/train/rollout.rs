@@ -30,6 +30,32 @@ pub struct Rollout {
 }
 
 impl Rollout {
+    /// A rollout of sequences sampled elsewhere (one's own generator, a dataset of scored
+    /// responses): sequence `i` is `prompt_lens[i]` prompt tokens followed by its response,
+    /// laid out group by group, with its reward. What the sampler recorded is unknown: no
+    /// sampling log-probs (the update's mismatch check skips them), no texts, none counted
+    /// correct or truncated.
+    pub fn scored(seqs: Vec<Vec<u32>>, prompt_lens: Vec<usize>, rewards: Vec<f32>) -> Self {
+        let n = seqs.len();
+        let response_lens = seqs
+            .iter()
+            .zip(&prompt_lens)
+            .map(|(s, &p)| s.len().saturating_sub(p))
+            .collect();
+        Rollout {
+            examples: Vec::new(),
+            seqs,
+            prompt_lens,
+            response_lens,
+            sampled_logp: vec![Vec::new(); n],
+            texts: vec![String::new(); n],
+            rewards,
+            truncated: vec![false; n],
+            correct: vec![false; n],
+            seconds: 0.0,
+        }
+    }
+
     /// Tokens sampled.
     pub fn generated_tokens(&self) -> usize {
         self.response_lens.iter().sum()

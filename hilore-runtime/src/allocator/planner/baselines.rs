@@ -56,9 +56,7 @@ pub fn store_all() -> Plan {
 /// whose top unit offers Recompute is recomputed, only its inputs kept; the rest stored.
 pub fn gradient_checkpointing(alloc: &Allocator) -> Plan {
     let mut plan = Plan::store_all().named("gradient-checkpointing");
-    let mut tops: Vec<usize> = alloc.gc_assignment().into_keys().collect();
-    tops.sort_unstable();
-    for i in tops {
+    for i in alloc.gc_assignment().into_keys() {
         let b = &alloc.instances()[i];
         plan.set_instance(b.unit, b.call, Fidelity::Recompute);
     }
