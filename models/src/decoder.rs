@@ -411,84 +411,109 @@ enum Init {
     Bias,
 }
 
-/// Every parameter of a config: name, shape, initialization, in [`Decoder::named_params`]
-/// order.
-pub(crate) fn param_shapes(cfg: &DecoderConfig) -> Vec<(String, Vec<usize>)> {
-    param_specs(cfg)
-        .into_iter()
-        .map(|(n, s, _)| (n, s))
-        .collect()
+/// Every parameter of a config, name and shape, in [`Decoder::named_params`] order: the
+/// decoder's one construction ([`build`]) run with a source that records each request
+/// and hands back an empty placeholder, so no weight is allocated.
+pub(crate) fn param_shapes(cfg: &DecoderConfig) -> Result<Vec<(String, Vec<usize>)>, ModelError> {
+    let seen = std::cell::RefCell::new(Vec::new());
+    let record = |name: &str, shape: &[usize], _: Init| -> Result<Var, ModelError> {
+        seen.borrow_mut().push((name.to_string(), shape.to_vec()));
+        Ok(Var::constant(Tensor::zeros(0, DType::F32, &Device::Cpu)?))
+    };
+    build(cfg, &record)?;
+    Ok(seen.into_inner())
 }
 
-/// [`param_shapes`] with each parameter's random initialization.
-fn param_specs(cfg: &DecoderConfig) -> Vec<(String, Vec<usize>, Init)> {
+/// Where [`build`] gets parameter `name` of shape `shape` (a `Var::param` of that shape),
+/// given how [`Decoder::random`] would initialize it.
+type ParamSource<'a> = dyn Fn(&str, &[usize], Init) -> Result<Var, ModelError> + 'a;
+
+/// The decoder's structure: every parameter it has, by name, shape and initialization,
+/// in [`Decoder::named_params`] order, each taken from `take`. The single list behind
+/// [`Decoder::random`], [`Decoder::from_tensors`] and [`param_shapes`]
+/// ([`for_each_param`] walks the built decoder in the same order).
+fn build(cfg: &DecoderConfig, take: &ParamSource<'_>) -> Result<Decoder, ModelError> {
+    cfg.validate()?;
+    let dims = Dims::of(cfg);
     let (h, i, q, kv) = (
         cfg.hidden_size,
         cfg.intermediate_size,
         cfg.q_dim(),
         cfg.kv_dim(),
     );
-    let mut v = vec![(
-        "model.embed_tokens.weight".to_string(),
-        vec![cfg.vocab_size, h],
+    let embed_tokens = take(
+        "model.embed_tokens.weight",
+        &[cfg.vocab_size, h],
         Init::Weight,
-    )];
+    )?;
+    let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
     for l in 0..cfg.num_hidden_layers {
         let p = format!("model.layers.{l}");
-        v.push((format!("{p}.input_layernorm.weight"), vec![h], Init::Norm));
-        for (name, out) in [("q_proj", q), ("k_proj", kv), ("v_proj", kv)] {
-            v.push((
-                format!("{p}.self_attn.{name}.weight"),
-                vec![out, h],
-                Init::Weight,
-            ));
-            if cfg.attention_bias {
-                v.push((format!("{p}.self_attn.{name}.bias"), vec![out], Init::Bias));
+        let proj = |name: &str, out: usize, inp: usize, bias: bool| -> Result<Linear, ModelError> {
+            Ok(Linear {
+                weight: take(&format!("{p}.{name}.weight"), &[out, inp], Init::Weight)?,
+                bias: if bias {
+                    Some(take(&format!("{p}.{name}.bias"), &[out], Init::Bias)?)
+                } else {
+                    None
+                },
+                lora: None,
+            })
+        };
+        let norm = |name: &str| -> Result<Var, ModelError> {
+            take(&format!("{p}.{name}.weight"), &[h], Init::Norm)
+        };
+        let qk_norm = |name: &str| -> Result<Option<Var>, ModelError> {
+            if cfg.qk_norm() {
+                let name = format!("{p}.self_attn.{name}.weight");
+                Ok(Some(take(&name, &[cfg.head_dim], Init::Norm)?))
+            } else {
+                Ok(None)
             }
-        }
-        v.push((
-            format!("{p}.self_attn.o_proj.weight"),
-            vec![h, q],
-            Init::Weight,
-        ));
-        if cfg.o_proj_bias() {
-            v.push((format!("{p}.self_attn.o_proj.bias"), vec![h], Init::Bias));
-        }
-        if cfg.qk_norm() {
-            for name in ["q_norm", "k_norm"] {
-                v.push((
-                    format!("{p}.self_attn.{name}.weight"),
-                    vec![cfg.head_dim],
-                    Init::Norm,
-                ));
-            }
-        }
-        v.push((
-            format!("{p}.post_attention_layernorm.weight"),
-            vec![h],
-            Init::Norm,
-        ));
-        v.push((
-            format!("{p}.mlp.gate_proj.weight"),
-            vec![i, h],
-            Init::Weight,
-        ));
-        v.push((format!("{p}.mlp.up_proj.weight"), vec![i, h], Init::Weight));
-        v.push((
-            format!("{p}.mlp.down_proj.weight"),
-            vec![h, i],
-            Init::Weight,
-        ));
+        };
+        let b = cfg.attention_bias;
+        let input_layernorm = norm("input_layernorm")?;
+        let self_attn = Attention {
+            q_proj: proj("self_attn.q_proj", q, h, b)?,
+            k_proj: proj("self_attn.k_proj", kv, h, b)?,
+            v_proj: proj("self_attn.v_proj", kv, h, b)?,
+            o_proj: proj("self_attn.o_proj", h, q, cfg.o_proj_bias())?,
+            q_norm: qk_norm("q_norm")?,
+            k_norm: qk_norm("k_norm")?,
+            dims,
+            window: cfg.layer_window(l),
+        };
+        let post_attention_layernorm = norm("post_attention_layernorm")?;
+        let mlp = Mlp {
+            gate_proj: proj("mlp.gate_proj", i, h, false)?,
+            up_proj: proj("mlp.up_proj", i, h, false)?,
+            down_proj: proj("mlp.down_proj", h, i, false)?,
+            dims,
+        };
+        layers.push(DecoderLayer {
+            input_layernorm,
+            self_attn,
+            post_attention_layernorm,
+            mlp,
+            dims,
+        });
     }
-    v.push(("model.norm.weight".to_string(), vec![h], Init::Norm));
-    if !cfg.tie_word_embeddings {
-        v.push((
-            "lm_head.weight".to_string(),
-            vec![cfg.vocab_size, h],
-            Init::Weight,
-        ));
-    }
-    v
+    let norm = take("model.norm.weight", &[h], Init::Norm)?;
+    let lm_head = if cfg.tie_word_embeddings {
+        None
+    } else {
+        Some(take("lm_head.weight", &[cfg.vocab_size, h], Init::Weight)?)
+    };
+    Ok(Decoder {
+        cfg: cfg.clone(),
+        dims,
+        embed_tokens,
+        layers,
+        norm,
+        lm_head,
+        logits_chunk_rows: (DEFAULT_LOGITS_CHUNK_ELEMS / cfg.vocab_size).max(1),
+        logit_temperature: 1.0,
+    })
 }
 
 impl Decoder {
@@ -497,19 +522,16 @@ impl Decoder {
     /// own stream (seed x parameter name), so the values do not depend on the order of
     /// construction.
     pub fn random(cfg: &DecoderConfig, seed: u64, device: &Device) -> Result<Self, ModelError> {
-        cfg.validate()?;
-        let mut tensors = HashMap::new();
-        for (name, shape, init) in param_specs(cfg) {
-            let mut rng = SplitMix64::for_stream(seed, &name);
+        build(cfg, &|name, shape, init| {
+            let mut rng = SplitMix64::for_stream(seed, name);
             let n: usize = shape.iter().product();
             let (mean, std) = match init {
                 Init::Weight | Init::Bias => (0.0, INIT_STD),
                 Init::Norm => (1.0, NORM_INIT_STD),
             };
             let data: Vec<f32> = (0..n).map(|_| (mean + std * rng.normal()) as f32).collect();
-            tensors.insert(name, Tensor::from_vec(data, shape, device)?);
-        }
-        Self::from_tensors(cfg, &tensors)
+            Ok(Var::param(Tensor::from_vec(data, shape, device)?))
+        })
     }
 
     /// A decoder from named tensors (the HF / candle-transformers names of
@@ -519,8 +541,7 @@ impl Decoder {
         cfg: &DecoderConfig,
         tensors: &HashMap<String, Tensor>,
     ) -> Result<Self, ModelError> {
-        cfg.validate()?;
-        let take = |name: &str, shape: &[usize]| -> Result<Var, ModelError> {
+        build(cfg, &|name, shape, _| {
             let t = tensors.get(name).ok_or_else(|| ModelError::Param {
                 name: name.to_string(),
                 problem: format!("missing; the config needs it with shape {shape:?}"),
@@ -541,83 +562,6 @@ impl Decoder {
                 });
             }
             Ok(Var::param(t.to_dtype(DType::F32)?.contiguous()?))
-        };
-        let dims = Dims::of(cfg);
-        let (h, i, q, kv) = (
-            cfg.hidden_size,
-            cfg.intermediate_size,
-            cfg.q_dim(),
-            cfg.kv_dim(),
-        );
-        let embed_tokens = take("model.embed_tokens.weight", &[cfg.vocab_size, h])?;
-        let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
-        for l in 0..cfg.num_hidden_layers {
-            let p = format!("model.layers.{l}");
-            let proj =
-                |name: &str, out: usize, inp: usize, bias: bool| -> Result<Linear, ModelError> {
-                    Ok(Linear {
-                        weight: take(&format!("{p}.{name}.weight"), &[out, inp])?,
-                        bias: if bias {
-                            Some(take(&format!("{p}.{name}.bias"), &[out])?)
-                        } else {
-                            None
-                        },
-                        lora: None,
-                    })
-                };
-            let b = cfg.attention_bias;
-            let norm = |name: &str| -> Result<Option<Var>, ModelError> {
-                if cfg.qk_norm() {
-                    Ok(Some(take(
-                        &format!("{p}.self_attn.{name}.weight"),
-                        &[cfg.head_dim],
-                    )?))
-                } else {
-                    Ok(None)
-                }
-            };
-            let self_attn = Attention {
-                q_proj: proj("self_attn.q_proj", q, h, b)?,
-                k_proj: proj("self_attn.k_proj", kv, h, b)?,
-                v_proj: proj("self_attn.v_proj", kv, h, b)?,
-                o_proj: proj("self_attn.o_proj", h, q, cfg.o_proj_bias())?,
-                q_norm: norm("q_norm")?,
-                k_norm: norm("k_norm")?,
-                dims,
-                window: cfg.layer_window(l),
-            };
-            let mlp = Mlp {
-                gate_proj: proj("mlp.gate_proj", i, h, false)?,
-                up_proj: proj("mlp.up_proj", i, h, false)?,
-                down_proj: proj("mlp.down_proj", h, i, false)?,
-                dims,
-            };
-            layers.push(DecoderLayer {
-                input_layernorm: take(&format!("{p}.input_layernorm.weight"), &[h])?,
-                self_attn,
-                post_attention_layernorm: take(
-                    &format!("{p}.post_attention_layernorm.weight"),
-                    &[h],
-                )?,
-                mlp,
-                dims,
-            });
-        }
-        let norm = take("model.norm.weight", &[h])?;
-        let lm_head = if cfg.tie_word_embeddings {
-            None
-        } else {
-            Some(take("lm_head.weight", &[cfg.vocab_size, h])?)
-        };
-        Ok(Decoder {
-            cfg: cfg.clone(),
-            dims,
-            embed_tokens,
-            layers,
-            norm,
-            lm_head,
-            logits_chunk_rows: (DEFAULT_LOGITS_CHUNK_ELEMS / cfg.vocab_size).max(1),
-            logit_temperature: 1.0,
         })
     }
 
@@ -844,5 +788,45 @@ impl Decoder {
             }
         }
         Ok(rope)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The parameter list a config implies (read by the weight loader and the exporter
+    /// without building a model) is the built model's, name for name and shape for shape,
+    /// in every architecture variant that adds or removes parameters.
+    #[test]
+    fn param_shapes_are_the_built_models_parameters() {
+        let variants = [
+            ("llama", false, false),
+            ("llama", true, true),
+            ("qwen2", true, false),
+            ("qwen3", true, true),
+            ("qwen3", false, false),
+            ("mistral", false, true),
+        ];
+        for (model_type, attention_bias, tie_word_embeddings) in variants {
+            let cfg = DecoderConfig {
+                model_type: Some(model_type.into()),
+                attention_bias,
+                tie_word_embeddings,
+                num_hidden_layers: 2,
+                ..DecoderConfig::tiny()
+            };
+            let shapes = param_shapes(&cfg).unwrap();
+            let model = Decoder::random(&cfg, 7, &Device::Cpu).unwrap();
+            let built: Vec<(String, Vec<usize>)> = model
+                .named_params()
+                .into_iter()
+                .map(|(n, v)| (n, v.dims().to_vec()))
+                .collect();
+            assert_eq!(
+                shapes, built,
+                "{model_type} bias {attention_bias} tied {tie_word_embeddings}"
+            );
+        }
     }
 }

@@ -288,7 +288,7 @@ pub fn load_weights(
 ) -> Result<HashMap<String, Tensor>, ModelError> {
     let dir = dir.as_ref();
     let (origin, files) = weight_files(dir)?;
-    let needed: HashMap<String, Vec<usize>> = param_shapes(cfg).into_iter().collect();
+    let needed: HashMap<String, Vec<usize>> = param_shapes(cfg)?.into_iter().collect();
     let indexed = origin.ends_with(WEIGHTS_INDEX_FILE);
     if indexed {
         // Every needed tensor must be listed in the index.
@@ -477,7 +477,7 @@ pub fn export_with(
     // The config may differ from the model's in what it does not model (token ids, ...),
     // not in the parameters it implies.
     let params = model.named_params();
-    let shapes = param_shapes(cfg);
+    let shapes = param_shapes(cfg)?;
     let same = shapes.len() == params.len()
         && shapes
             .iter()
