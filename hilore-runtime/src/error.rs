@@ -27,7 +27,7 @@ pub enum Error {
     #[error("unit `{unit}` is not declared `deterministic`, so it cannot be recomputed; give it the Store or Compress fidelity, or mark it `#[recovery_unit(..., deterministic)]` if its body replays bit-identically")]
     NotDeterministic { unit: String },
     /// The plan asked for a codec the unit restricts away.
-    #[error("unit `{unit}` does not allow codec `{codec}`; it allows {allowed}")]
+    #[error("the plan gives unit `{unit}` codec `{codec}`, which its `#[recovery_unit(codecs = [...])]` leaves out (it allows {allowed}): plan one of those (or Store) for it, or add `{codec}` to its list")]
     CodecNotAllowed {
         unit: String,
         codec: String,

@@ -472,11 +472,25 @@ fn a_codec_outside_the_units_list_is_refused() -> Result<()> {
     let w = randn((3, DIM), 1.0)?;
     let mut cx = Cx::new(Plan::store_all().with_unit("project", Fidelity::Compress("int8-b32")));
     match project(&mut cx, &x, &w, 0.5) {
-        Err(Error::CodecNotAllowed {
-            unit,
-            codec,
-            allowed,
-        }) => {
+        Err(e) if matches!(e, Error::CodecNotAllowed { .. }) => {
+            // The message names the unit, the codec, what it allows and the fix.
+            let text = e.to_string();
+            for part in [
+                "`project`",
+                "`int8-b32`",
+                "it allows bf16",
+                "add `int8-b32` to its list",
+            ] {
+                assert!(text.contains(part), "{text}");
+            }
+            let Error::CodecNotAllowed {
+                unit,
+                codec,
+                allowed,
+            } = e
+            else {
+                unreachable!()
+            };
             assert_eq!(
                 (unit.as_str(), codec.as_str(), allowed.as_str()),
                 ("project", "int8-b32", "bf16")
