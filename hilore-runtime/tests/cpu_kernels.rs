@@ -262,6 +262,146 @@ fn attention_partial_gradients() {
     attention_case(None, [false, true, false]);
 }
 
+/// A shared-prefix layout: a prompt of 70 rows with responses of 30, 1 and 60 (the
+/// last crossing a key tile), a sequence of its own, a prompt of 5 with responses of 64
+/// and 3. The longest concatenation has 130 keys, as [`ATTN_LENGTHS`], so the module's
+/// error bound holds as derived.
+const SHARED_LENGTHS: [usize; 7] = [70, 30, 1, 60, 20, 5, 64];
+const SHARED_PREFIX_OF: [Option<usize>; 7] = [None, Some(0), Some(0), Some(0), None, None, Some(5)];
+
+/// The concatenations a shared layout replaces: for each sequence that no other continues
+/// its own rows, and for each continuation its prefix's rows then its own; as row ranges
+/// of the shared layout.
+fn concatenations() -> Vec<Vec<std::ops::Range<usize>>> {
+    let mut start = vec![0];
+    for l in SHARED_LENGTHS {
+        start.push(start.last().unwrap() + l);
+    }
+    let rows = |i: usize| start[i]..start[i + 1];
+    let continued: Vec<bool> = (0..SHARED_LENGTHS.len())
+        .map(|i| SHARED_PREFIX_OF.contains(&Some(i)))
+        .collect();
+    (0..SHARED_LENGTHS.len())
+        .filter_map(|i| match SHARED_PREFIX_OF[i] {
+            Some(j) => Some(vec![rows(j), rows(i)]),
+            None if !continued[i] => Some(vec![rows(i)]),
+            None => None,
+        })
+        .collect()
+}
+
+/// The shared layout's rows `x: [N, ...]` laid out as the concatenations, on the tape
+/// (narrow + cat: the backward sums a prefix row's copies).
+fn concatenate(cx: &mut Cx<'static>, x: &Var, seqs: &[Vec<std::ops::Range<usize>>]) -> Result<Var> {
+    let mut parts = Vec::new();
+    for seq in seqs {
+        for r in seq {
+            parts.push(cx.narrow(x, 0, r.start, r.len())?);
+        }
+    }
+    let refs: Vec<&Var> = parts.iter().collect();
+    cx.cat(&refs, 0)
+}
+
+/// Attention over shared prefixes (the CPU kernel, `f32`) equals attention over the
+/// concatenations it replaces (candle's path in `f64`, the reference `ops_fd.rs` checks):
+/// the shared output laid out as the concatenations, and the gradients of `q`, `k`, `v`
+/// where the concatenations' gradients sum over a prefix row's copies. With and without a
+/// sliding window (one shorter than the prefix, so it cuts into it), with GQA.
+#[test]
+fn attention_shared_prefix_equals_its_concatenations() {
+    let seqs = concatenations();
+    let concat_lengths: Vec<usize> = seqs
+        .iter()
+        .map(|s| s.iter().map(|r| r.len()).sum())
+        .collect();
+    let n: usize = SHARED_LENGTHS.iter().sum();
+    let (hq, hkv, d) = (6, 2, 16);
+    for window in [None, Some(40)] {
+        let mut r = Rng(11 + window.unwrap_or(0) as u64);
+        let inputs = [
+            (r.values(&[n, hq, d], 1.0), vec![n, hq, d]),
+            (r.values(&[n, hkv, d], 1.0), vec![n, hkv, d]),
+            (r.values(&[n, hkv, d], 1.0), vec![n, hkv, d]),
+        ];
+        let rows: usize = concat_lengths.iter().sum();
+        let seed = r.values(&[rows, hq, d], 1.0);
+        let run = |dt: DType, shared: bool| {
+            let vars: Vec<Var> = inputs
+                .iter()
+                .map(|(v, dims)| Var::param(tensor(v, dims, dt)))
+                .collect();
+            let mut cx = Cx::new(Plan::store_all());
+            let y = if shared {
+                let packing =
+                    Packing::with_shared_prefixes(&SHARED_LENGTHS, &SHARED_PREFIX_OF, &Device::Cpu)
+                        .unwrap();
+                let o = cx
+                    .attention_windowed(&vars[0], &vars[1], &vars[2], &packing, 0.25, window)
+                    .unwrap();
+                concatenate(&mut cx, &o, &seqs).unwrap()
+            } else {
+                let packing = Packing::new(&concat_lengths, &Device::Cpu).unwrap();
+                let [q, k, v] = [0, 1, 2].map(|i| concatenate(&mut cx, &vars[i], &seqs).unwrap());
+                cx.attention_windowed(&q, &k, &v, &packing, 0.25, window)
+                    .unwrap()
+            };
+            let mut grads = Grads::new();
+            cx.backward(&y, &tensor(&seed, y.dims(), dt), &mut grads)
+                .unwrap();
+            let gs: Vec<Vec<f64>> = vars
+                .iter()
+                .map(|v| flat(grads.get(v.id()).unwrap()))
+                .collect();
+            (flat(y.tensor()), gs)
+        };
+        let (ys, gs) = run(DType::F32, true);
+        let (yc, gc) = run(DType::F64, false);
+        let name = format!("shared-prefix attention, window {window:?}");
+        let e = rel_l2(&ys, &yc);
+        println!("{name}: output rel L2 {e:.2e}");
+        assert!(e <= BOUND, "{name}: output off by {e:.2e} > {BOUND:e}");
+        for (i, (a, b)) in gs.iter().zip(&gc).enumerate() {
+            let e = rel_l2(a, b);
+            println!("{name}: d input {i} rel L2 {e:.2e}");
+            assert!(
+                e <= BOUND,
+                "{name}: gradient of input {i} off by {e:.2e} > {BOUND:e}"
+            );
+        }
+    }
+}
+
+/// A shared layout the kernel cannot attend is refused with the rule it breaks, and
+/// candle's path (here `f64`) refuses shared prefixes instead of ignoring them.
+#[test]
+fn shared_prefix_packings_are_checked() {
+    let dev = Device::Cpu;
+    let bad: [(&[usize], &[Option<usize>], &str); 4] = [
+        (&[3, 2], &[None], "one entry per sequence"),
+        (&[3, 2], &[Some(1), None], "does not come before it"),
+        (&[3, 2, 2], &[None, Some(0), Some(1)], "one level deep"),
+        (&[3, 2, 2], &[None, None, Some(0)], "right after it"),
+    ];
+    for (lengths, prefix_of, expected) in bad {
+        let e = Packing::with_shared_prefixes(lengths, prefix_of, &dev)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains(expected), "{lengths:?} {prefix_of:?}: {e}");
+    }
+    let p = Packing::with_shared_prefixes(&[3, 2, 4], &[None, Some(0), Some(0)], &dev).unwrap();
+    assert_eq!(
+        p.positions().to_vec1::<u32>().unwrap(),
+        [0, 1, 2, 3, 4, 3, 4, 5, 6]
+    );
+    // 3^2 + (2^2 + 2*3*2) + (4^2 + 2*3*4): the concatenations' 5^2 + 7^2 less one 3^2.
+    assert_eq!(p.sum_sq_lengths(), 9 + 16 + 40);
+    let x = Var::param(Tensor::zeros((9, 2, 4), DType::F64, &dev).unwrap());
+    let mut cx = Cx::new(Plan::store_all());
+    let e = cx.attention(&x, &x, &x, &p, 0.5).unwrap_err().to_string();
+    assert!(e.contains("host f32"), "{e}");
+}
+
 #[test]
 fn token_logprobs_chunks() {
     let mut r = Rng(5);

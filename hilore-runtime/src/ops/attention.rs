@@ -74,6 +74,17 @@ fn attention_mask(
     Ok(Tensor::from_vec(m, (t, t), dev)?.to_dtype(dtype)?)
 }
 
+/// Shared prefixes are attended on the CPU kernel only (host `f32`); candle's path works
+/// one whole sequence at a time.
+fn shared_prefixes_on_host(packing: &Packing) -> Result<()> {
+    if packing.has_shared_prefixes() {
+        return Err(Error::Tape(
+            "attention: a packing with shared prefixes runs on host f32 tensors only (the CPU kernel); on another device or dtype, pack each response with its own copy of the prompt (Packing::new)".into(),
+        ));
+    }
+    Ok(())
+}
+
 /// The forward on candle's ops (GPU tensors, other dtypes): `(o, lse)`.
 fn attention_candle(
     q: &Var,
@@ -84,6 +95,7 @@ fn attention_candle(
     window: Option<usize>,
     dims: Dims,
 ) -> Result<(Tensor, Tensor)> {
+    shared_prefixes_on_host(packing)?;
     let Dims { hq, hkv, d } = dims;
     let gs = dims.group();
     let n = q.dim(0)?;
@@ -115,7 +127,7 @@ fn attention_candle(
 }
 
 struct Attention {
-    offsets: Vec<usize>,
+    packing: Packing,
     dims: Dims,
     scale: f64,
     /// Sliding window (keys per query), if any.
@@ -156,14 +168,11 @@ impl Op for Attention {
             alloc(hkv, need[1])?,
             alloc(hkv, need[2])?,
         );
-        let tmax = self
-            .offsets
-            .windows(2)
-            .map(|w| w[1] - w[0])
-            .max()
-            .unwrap_or(0);
+        shared_prefixes_on_host(&self.packing)?;
+        let offsets = self.packing.offsets();
+        let tmax = self.packing.lengths().into_iter().max().unwrap_or(0);
         let mask = attention_mask(tmax, self.window, dt, dev)?;
-        for w in self.offsets.windows(2) {
+        for w in offsets.windows(2) {
             let (start, t) = (w[0], w[1] - w[0]);
             let qs = heads(q, start, t, self.scale)?;
             let kh = heads(k, start, t, 1.0)?;
@@ -243,7 +252,7 @@ impl Attention {
             None => None,
         };
         let n = q.dim(0)?;
-        let spans = cpu::attention::sequence_spans(&self.offsets);
+        let spans = cpu::attention::packing_spans(&self.packing);
         let (dq, dk, dv) = cpu::attention::backward(
             qv.get(),
             kv.get(),
@@ -268,7 +277,9 @@ impl Attention {
 }
 
 impl<'m> Cx<'m> {
-    /// Causal self-attention within each sequence of `packing`, with grouped-query heads:
+    /// Causal self-attention within each sequence of `packing` (a continuation of a shared
+    /// prefix also attending to all of the prefix, [`Packing::with_shared_prefixes`]), with
+    /// grouped-query heads:
     /// `q: [N, Hq, D]`, `k, v: [N, Hkv, D]` (`Hq` a multiple of `Hkv`; query head `h` reads
     /// kv head `h / (Hq / Hkv)`), scores scaled by `scale`; returns `[N, Hq, D]`.
     ///
@@ -336,7 +347,6 @@ impl<'m> Cx<'m> {
             );
         }
         let dims = Dims { hq, hkv, d };
-        let offsets = packing.offsets().to_vec();
         let (out, lse) = if cpu::all_host_f32(&[&q.tensor, &k.tensor, &v.tensor]) {
             let (qt, kt, vt) = (
                 cpu::dense(&q.tensor)?,
@@ -345,7 +355,7 @@ impl<'m> Cx<'m> {
             );
             let (qv, kv, vv) = (cpu::values(&qt)?, cpu::values(&kt)?, cpu::values(&vt)?);
             let geo = dims.geometry(scale, window);
-            let spans = cpu::attention::sequence_spans(&offsets);
+            let spans = cpu::attention::packing_spans(packing);
             let (o, l) = cpu::attention::forward(qv.get(), kv.get(), vv.get(), n, geo, &spans)?;
             (cpu::tensor(o, (n, hq, d))?, cpu::tensor(l, (hq, n))?)
         } else {
@@ -360,7 +370,7 @@ impl<'m> Cx<'m> {
             }
         }
         let op = Attention {
-            offsets,
+            packing: packing.clone(),
             dims,
             scale,
             window,

@@ -23,8 +23,9 @@
 //! heads) and the key rows of `dK`, `dV` (for its kv head), so no two tasks write the
 //! same element and every sum is taken in a fixed order (key blocks in order for `dQ`,
 //! query blocks and then the group's heads in order for `dK` and `dV`). Spans that share
-//! key rows (a shared prefix) must then go to one task, which sums their contributions to
-//! those rows in span order.
+//! key rows (a shared prefix and its continuations, consecutive) go to one task, which sums
+//! their contributions to those rows in span order: the prefix's own queries first, then
+//! each continuation's.
 
 use super::{dot, exp, exp_shift_scale, exp_shift_sum, gemm, max, MatRef, SharedMut, Threads};
 use crate::{Error, Result};
@@ -51,20 +52,30 @@ pub(crate) struct Span {
     pub keys: Vec<Run>,
 }
 
-/// One span per packed sequence (`offsets` as in [`crate::Packing::offsets`]): causal
-/// attention within each sequence.
-pub(crate) fn sequence_spans(offsets: &[usize]) -> Vec<Span> {
-    offsets
-        .windows(2)
-        .map(|w| {
-            let run = Run {
-                row: w[0],
-                pos: 0,
-                len: w[1] - w[0],
-            };
-            Span {
-                queries: run,
-                keys: vec![run],
+/// One span per packed sequence of `packing`: causal attention within each sequence, and
+/// a continuation of a shared prefix ([`crate::Packing::with_shared_prefixes`]) attending
+/// to the prefix's rows (positions `0..P`) and then causally to its own (positions from
+/// `P`).
+pub(crate) fn packing_spans(packing: &crate::Packing) -> Vec<Span> {
+    let offsets = packing.offsets();
+    let run = |i: usize, pos: usize| Run {
+        row: offsets[i],
+        pos,
+        len: offsets[i + 1] - offsets[i],
+    };
+    (0..packing.num_sequences())
+        .map(|i| match packing.prefix_of(i) {
+            None => Span {
+                queries: run(i, 0),
+                keys: vec![run(i, 0)],
+            },
+            Some(j) => {
+                let prefix = run(j, 0);
+                let own = run(i, prefix.len);
+                Span {
+                    queries: own,
+                    keys: vec![prefix, own],
+                }
             }
         })
         .collect()
@@ -132,9 +143,25 @@ fn query_tiles(q: Run) -> impl Iterator<Item = Run> {
     })
 }
 
-fn check(n: usize, spans: &[Span]) -> Result<()> {
-    let mut owner = vec![false; n];
-    for s in spans {
+/// Consecutive spans that share key rows (a shared prefix and its continuations): one
+/// backward task per group and kv head sums their contributions to the shared rows, in
+/// span order.
+struct Group {
+    spans: std::ops::Range<usize>,
+    /// For each span of the group and each of its key runs, whether it is the first run
+    /// of the group on those rows (it writes their `dK`, `dV`; the later ones add).
+    first: Vec<Vec<bool>>,
+}
+
+/// Checks the spans against `n` packed rows and groups the ones that share key rows. Key
+/// rows are shared only as one whole run, by consecutive spans.
+fn check(n: usize, spans: &[Span]) -> Result<Vec<Group>> {
+    // The group (1-based) whose run first covered each row; 0 for none yet.
+    let mut owner = vec![0usize; n];
+    let mut groups: Vec<Group> = Vec::new();
+    // The key runs of the last group, as (row, len).
+    let mut runs: Vec<(usize, usize)> = Vec::new();
+    for (si, s) in spans.iter().enumerate() {
         for r in std::iter::once(&s.queries).chain(&s.keys) {
             if r.row + r.len > n || r.len == 0 {
                 return Err(Error::Tape(format!(
@@ -144,17 +171,43 @@ fn check(n: usize, spans: &[Span]) -> Result<()> {
                 )));
             }
         }
-        for r in &s.keys {
-            if owner[r.row..r.row + r.len].iter().any(|&o| o) {
-                return Err(Error::Tape(
-                    "attention kernel: two spans share key rows; group them into one backward task"
-                        .into(),
-                ));
+        let shares = s
+            .keys
+            .iter()
+            .any(|r| owner[r.row..r.row + r.len].iter().any(|&o| o != 0));
+        match groups.last_mut() {
+            Some(g) if shares => g.spans.end = si + 1,
+            _ => {
+                groups.push(Group {
+                    spans: si..si + 1,
+                    first: Vec::new(),
+                });
+                runs.clear();
             }
-            owner[r.row..r.row + r.len].fill(true);
+        }
+        let gid = groups.len();
+        let mut first = Vec::with_capacity(s.keys.len());
+        for r in &s.keys {
+            let rows = &mut owner[r.row..r.row + r.len];
+            if rows.iter().all(|&o| o == 0) {
+                rows.fill(gid);
+                runs.push((r.row, r.len));
+                first.push(true);
+            } else if rows.iter().all(|&o| o == gid) && runs.contains(&(r.row, r.len)) {
+                first.push(false);
+            } else {
+                return Err(Error::Tape(format!(
+                    "attention kernel: span {si} shares key rows {}..{} other than as a whole run of the spans right before it; pack a shared prefix's continuations right after it",
+                    r.row,
+                    r.row + r.len
+                )));
+            }
+        }
+        if let Some(g) = groups.last_mut() {
+            g.first.push(first);
         }
     }
-    Ok(())
+    Ok(groups)
 }
 
 /// The scaled scores `S = scale * Q K^T` of a tile into `s` (`BQ x BK`, row stride `BK`):
@@ -311,7 +364,7 @@ pub(crate) fn backward(
     spans: &[Span],
     need: [bool; 3],
 ) -> Result<(Option<Vec<f32>>, Option<Vec<f32>>, Option<Vec<f32>>)> {
-    check(n, spans)?;
+    let groups = check(n, spans)?;
     let Geometry { hq, hkv, d, .. } = geo;
     let gs = geo.group();
     let need_ds = need[0] || need[1];
@@ -326,148 +379,166 @@ pub(crate) fn backward(
     let dq_ptr = dq.as_deref_mut().map(SharedMut::new);
     let dk_ptr = dk.as_deref_mut().map(SharedMut::new);
     let dv_ptr = dv.as_deref_mut().map(SharedMut::new);
-    let mut tasks: Vec<(usize, usize)> = (0..spans.len())
-        .flat_map(|si| (0..hkv).map(move |kh| (si, kh)))
+    let mut tasks: Vec<(usize, usize)> = (0..groups.len())
+        .flat_map(|gi| (0..hkv).map(move |kh| (gi, kh)))
         .collect();
-    // Longest spans first, so that the last task to start is a short one.
-    tasks.sort_by_key(|&(si, _)| std::cmp::Reverse(spans[si].queries.len));
-    tasks.par_iter().for_each(|&(si, kh)| {
-        let span = &spans[si];
-        let qs = span.queries;
-        let mut p = vec![0f32; BQ * BK];
-        let mut dp = vec![0f32; BQ * BK];
-        let mut dk_acc = vec![0f32; BK * d];
-        let mut dv_acc = vec![0f32; BK * d];
-        // D_i = rowsum(dO_i * O_i) for the group's heads, `[G, len]`.
-        let dvec: Vec<f32> = match &vo {
-            Some(vo) if need_ds => (0..gs)
-                .flat_map(|gi| {
-                    let h = kh * gs + gi;
-                    (0..qs.len).map(move |i| {
-                        let at = ((qs.row + i) * hq + h) * d;
-                        dot(&g[at..at + d], &vo.o[at..at + d])
+    // Longest groups first, so that the last task to start is a short one.
+    let rows = |g: &Group| -> usize { spans[g.spans.clone()].iter().map(|s| s.queries.len).sum() };
+    tasks.sort_by_key(|&(gi, _)| std::cmp::Reverse(rows(&groups[gi])));
+    tasks.par_iter().for_each(|&(gi, kh)| {
+        let group = &groups[gi];
+        for si in group.spans.clone() {
+            let span = &spans[si];
+            let qs = span.queries;
+            let mut p = vec![0f32; BQ * BK];
+            let mut dp = vec![0f32; BQ * BK];
+            let mut dk_acc = vec![0f32; BK * d];
+            let mut dv_acc = vec![0f32; BK * d];
+            // D_i = rowsum(dO_i * O_i) for the group's heads, `[G, len]`.
+            let dvec: Vec<f32> = match &vo {
+                Some(vo) if need_ds => (0..gs)
+                    .flat_map(|gi| {
+                        let h = kh * gs + gi;
+                        (0..qs.len).map(move |i| {
+                            let at = ((qs.row + i) * hq + h) * d;
+                            dot(&g[at..at + d], &vo.o[at..at + d])
+                        })
                     })
+                    .collect(),
+                _ => Vec::new(),
+            };
+            for (kt, first) in span
+                .keys
+                .iter()
+                .zip(&group.first[si - group.spans.start])
+                .flat_map(|(r, &first)| {
+                    key_tiles(std::slice::from_ref(r)).map(move |kt| (kt, first))
                 })
-                .collect(),
-            _ => Vec::new(),
-        };
-        for kt in key_tiles(&span.keys) {
-            dk_acc.fill(0.0);
-            dv_acc.fill(0.0);
-            let kb = &k[(kt.row * hkv + kh) * d..];
-            for qt in query_tiles(qs) {
-                let tile = geo.tile(qt.pos, qt.len, kt.pos, kt.len);
-                if tile == Tile::Hidden {
-                    continue;
-                }
-                for gi in 0..gs {
-                    let h = kh * gs + gi;
-                    let qa = MatRef::rows(&q[(qt.row * hq + h) * d..], hq * d);
-                    let doa = MatRef::rows(&g[(qt.row * hq + h) * d..], hq * d);
-                    // P = exp(S - lse), exactly the forward's probabilities (masked: 0).
-                    scores(&mut p, qa, kb, qt, kt, geo);
-                    for i in 0..qt.len {
-                        let ls = lse[h * n + qt.row + i];
-                        let row = &mut p[i * BK..i * BK + kt.len];
-                        exp_shift_scale(row, ls, 1.0);
-                        if tile == Tile::Partial {
-                            for (j, x) in row.iter_mut().enumerate() {
-                                if !geo.visible(qt.pos + i, kt.pos + j) {
-                                    *x = 0.0;
+            {
+                dk_acc.fill(0.0);
+                dv_acc.fill(0.0);
+                let kb = &k[(kt.row * hkv + kh) * d..];
+                for qt in query_tiles(qs) {
+                    let tile = geo.tile(qt.pos, qt.len, kt.pos, kt.len);
+                    if tile == Tile::Hidden {
+                        continue;
+                    }
+                    for gi in 0..gs {
+                        let h = kh * gs + gi;
+                        let qa = MatRef::rows(&q[(qt.row * hq + h) * d..], hq * d);
+                        let doa = MatRef::rows(&g[(qt.row * hq + h) * d..], hq * d);
+                        // P = exp(S - lse), exactly the forward's probabilities (masked: 0).
+                        scores(&mut p, qa, kb, qt, kt, geo);
+                        for i in 0..qt.len {
+                            let ls = lse[h * n + qt.row + i];
+                            let row = &mut p[i * BK..i * BK + kt.len];
+                            exp_shift_scale(row, ls, 1.0);
+                            if tile == Tile::Partial {
+                                for (j, x) in row.iter_mut().enumerate() {
+                                    if !geo.visible(qt.pos + i, kt.pos + j) {
+                                        *x = 0.0;
+                                    }
                                 }
                             }
                         }
-                    }
-                    if dv_ptr.is_some() {
-                        // dV += P^T dO.
-                        // SAFETY: `dv_acc` is this task's own scratch of BK x D.
+                        if dv_ptr.is_some() {
+                            // dV += P^T dO.
+                            // SAFETY: `dv_acc` is this task's own scratch of BK x D.
+                            unsafe {
+                                gemm(
+                                    kt.len,
+                                    d,
+                                    qt.len,
+                                    dv_acc.as_mut_ptr(),
+                                    d,
+                                    true,
+                                    MatRef::rows_t(&p, BK),
+                                    doa,
+                                    1.0,
+                                    Threads::One,
+                                )
+                            };
+                        }
+                        let Some(vo) = vo.as_ref().filter(|_| need_ds) else {
+                            continue;
+                        };
+                        // dP = dO V^T, then dS = P * (dP - D) in place.
+                        // SAFETY: `dp` is this task's own scratch of BQ x BK.
                         unsafe {
                             gemm(
+                                qt.len,
                                 kt.len,
                                 d,
-                                qt.len,
-                                dv_acc.as_mut_ptr(),
-                                d,
-                                true,
-                                MatRef::rows_t(&p, BK),
+                                dp.as_mut_ptr(),
+                                BK,
+                                false,
                                 doa,
+                                MatRef::rows_t(&vo.v[(kt.row * hkv + kh) * d..], hkv * d),
                                 1.0,
                                 Threads::One,
                             )
                         };
-                    }
-                    let Some(vo) = vo.as_ref().filter(|_| need_ds) else {
-                        continue;
-                    };
-                    // dP = dO V^T, then dS = P * (dP - D) in place.
-                    // SAFETY: `dp` is this task's own scratch of BQ x BK.
-                    unsafe {
-                        gemm(
-                            qt.len,
-                            kt.len,
-                            d,
-                            dp.as_mut_ptr(),
-                            BK,
-                            false,
-                            doa,
-                            MatRef::rows_t(&vo.v[(kt.row * hkv + kh) * d..], hkv * d),
-                            1.0,
-                            Threads::One,
-                        )
-                    };
-                    for i in 0..qt.len {
-                        let di = dvec[gi * qs.len + (qt.row - qs.row) + i];
-                        let (pr, dr) = (&p[i * BK..i * BK + kt.len], &mut dp[i * BK..]);
-                        for (x, &pv) in dr.iter_mut().zip(pr) {
-                            *x = pv * (*x - di);
+                        for i in 0..qt.len {
+                            let di = dvec[gi * qs.len + (qt.row - qs.row) + i];
+                            let (pr, dr) = (&p[i * BK..i * BK + kt.len], &mut dp[i * BK..]);
+                            for (x, &pv) in dr.iter_mut().zip(pr) {
+                                *x = pv * (*x - di);
+                            }
+                        }
+                        if let Some(dq) = &dq_ptr {
+                            // dQ += scale * dS K.
+                            // SAFETY: rows of this span, heads of this kv head's group: this
+                            // task's alone.
+                            unsafe {
+                                gemm(
+                                    qt.len,
+                                    d,
+                                    kt.len,
+                                    dq.at((qt.row * hq + h) * d),
+                                    hq * d,
+                                    true,
+                                    MatRef::rows(&dp, BK),
+                                    MatRef::rows(kb, hkv * d),
+                                    geo.scale,
+                                    Threads::One,
+                                )
+                            };
+                        }
+                        if dk_ptr.is_some() {
+                            // dK += scale * dS^T Q.
+                            // SAFETY: `dk_acc` is this task's own scratch of BK x D.
+                            unsafe {
+                                gemm(
+                                    kt.len,
+                                    d,
+                                    qt.len,
+                                    dk_acc.as_mut_ptr(),
+                                    d,
+                                    true,
+                                    MatRef::rows_t(&dp, BK),
+                                    qa,
+                                    geo.scale,
+                                    Threads::One,
+                                )
+                            };
                         }
                     }
-                    if let Some(dq) = &dq_ptr {
-                        // dQ += scale * dS K.
-                        // SAFETY: rows of this span, heads of this kv head's group: this
-                        // task's alone.
-                        unsafe {
-                            gemm(
-                                qt.len,
-                                d,
-                                kt.len,
-                                dq.at((qt.row * hq + h) * d),
-                                hq * d,
-                                true,
-                                MatRef::rows(&dp, BK),
-                                MatRef::rows(kb, hkv * d),
-                                geo.scale,
-                                Threads::One,
-                            )
-                        };
-                    }
-                    if dk_ptr.is_some() {
-                        // dK += scale * dS^T Q.
-                        // SAFETY: `dk_acc` is this task's own scratch of BK x D.
-                        unsafe {
-                            gemm(
-                                kt.len,
-                                d,
-                                qt.len,
-                                dk_acc.as_mut_ptr(),
-                                d,
-                                true,
-                                MatRef::rows_t(&dp, BK),
-                                qa,
-                                geo.scale,
-                                Threads::One,
-                            )
-                        };
-                    }
                 }
-            }
-            for (ptr, acc) in [(&dk_ptr, &dk_acc), (&dv_ptr, &dv_acc)] {
-                if let Some(ptr) = ptr {
-                    for j in 0..kt.len {
-                        // SAFETY: key rows of this span (spans own their keys, see `check`)
-                        // at this task's kv head.
-                        let dst = unsafe { ptr.slice(((kt.row + j) * hkv + kh) * d, d) };
-                        dst.copy_from_slice(&acc[j * d..(j + 1) * d]);
+                for (ptr, acc) in [(&dk_ptr, &dk_acc), (&dv_ptr, &dv_acc)] {
+                    if let Some(ptr) = ptr {
+                        for j in 0..kt.len {
+                            // SAFETY: key rows of this span's group (groups own their keys, see
+                            // `check`) at this task's kv head.
+                            let dst = unsafe { ptr.slice(((kt.row + j) * hkv + kh) * d, d) };
+                            let src = &acc[j * d..(j + 1) * d];
+                            if first {
+                                dst.copy_from_slice(src);
+                            } else {
+                                for (x, &a) in dst.iter_mut().zip(src) {
+                                    *x += a;
+                                }
+                            }
+                        }
                     }
                 }
             }
