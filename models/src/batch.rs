@@ -24,6 +24,20 @@ pub struct TokenBatch {
     /// RoPE cosines and sines of every row, `f32 [N, head_dim / 2]` each (none from
     /// [`TokenBatch::pack`]).
     pub rope: Option<RopeTables>,
+    /// The row whose hidden state predicts each target, `u32 [M]`, where that is not row
+    /// `i` for target `i`: in a batch with shared prefixes
+    /// ([`TokenBatch::from_shared_prefixes`]) a prompt's last row predicts the first token
+    /// of each of its responses. `None`: `M = N`, row `i` predicts `targets[i]`.
+    pub logprob_rows: Option<Tensor>,
+}
+
+/// A prompt and the responses sampled from it: one group of a shared-prefix batch.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PromptGroup {
+    /// The prompt's tokens (at least 1).
+    pub prompt: Vec<u32>,
+    /// Each response's tokens (at least 1 each), which continue the prompt.
+    pub responses: Vec<Vec<u32>>,
 }
 
 impl TokenBatch {
@@ -94,6 +108,114 @@ impl TokenBatch {
             targets: Tensor::from_vec(targets, n, device)?,
             packing,
             rope: None,
+            logprob_rows: None,
+        })
+    }
+
+    /// Packs prompt groups with each prompt held once ([`Packing::with_shared_prefixes`]),
+    /// with the config's RoPE tables: a group's rows are its prompt's `P` tokens, then for
+    /// each response of `R >= 2` tokens its first `R - 1` tokens, attending to the whole
+    /// prompt and causally to themselves at positions `P..P + R - 1`: the rows of the
+    /// concatenation `prompt ++ response` less the prompt's repeats.
+    ///
+    /// The log-probs (targets) come group by group: the prompt's tokens `1..P` (from rows
+    /// `0..P - 1`), then each response's `R` tokens in order, its first from the prompt's
+    /// last row. So the log-probs of `prompt ++ response_i` are the group's prompt part
+    /// followed by response `i`'s part; each `prompt ++ response` must fit the model's
+    /// positions.
+    pub fn from_shared_prefixes(
+        groups: &[PromptGroup],
+        cfg: &DecoderConfig,
+        device: &Device,
+    ) -> Result<Self, ModelError> {
+        let mut b = Self::pack_shared_prefixes(
+            groups,
+            cfg.vocab_size,
+            cfg.max_position_embeddings,
+            device,
+        )?;
+        b.rope =
+            Some(cfg.rope_tables(&b.packing.positions().to_vec1::<u32>()?, DType::F32, device)?);
+        Ok(b)
+    }
+
+    /// [`TokenBatch::from_shared_prefixes`] without RoPE tables (a model with learned or no
+    /// positions; the positions of a response's rows count on from its prompt's length).
+    pub fn pack_shared_prefixes(
+        groups: &[PromptGroup],
+        vocab_size: usize,
+        max_positions: usize,
+        device: &Device,
+    ) -> Result<Self, ModelError> {
+        if groups.is_empty() {
+            return Err(ModelError::Batch(
+                "no prompt groups: a shared-prefix batch needs at least one prompt with a response"
+                    .into(),
+            ));
+        }
+        let (mut inputs, mut targets, mut rows) = (Vec::new(), Vec::new(), Vec::new());
+        let (mut lengths, mut prefix_of) = (Vec::new(), Vec::new());
+        for (gi, g) in groups.iter().enumerate() {
+            let p = g.prompt.len();
+            if p == 0 || g.responses.is_empty() {
+                return Err(ModelError::Batch(format!(
+                    "prompt group {gi} has {p} prompt token(s) and {} response(s); each group needs a prompt of at least 1 token and at least 1 response",
+                    g.responses.len()
+                )));
+            }
+            let bad_id = |what: String, s: &[u32]| -> Result<(), ModelError> {
+                match s.iter().enumerate().find(|(_, &t)| t as usize >= vocab_size) {
+                    Some((j, &t)) => Err(ModelError::Batch(format!(
+                        "prompt group {gi}, {what}, token {j} is id {t}, outside the vocabulary of {vocab_size} ids"
+                    ))),
+                    None => Ok(()),
+                }
+            };
+            bad_id("prompt".into(), &g.prompt)?;
+            let prefix = lengths.len();
+            let start = inputs.len();
+            inputs.extend_from_slice(&g.prompt);
+            lengths.push(p);
+            prefix_of.push(None);
+            for t in 1..p {
+                targets.push(g.prompt[t]);
+                rows.push((start + t - 1) as u32);
+            }
+            for (ri, r) in g.responses.iter().enumerate() {
+                if r.is_empty() {
+                    return Err(ModelError::Batch(format!(
+                        "prompt group {gi}, response {ri} has no tokens; drop empty responses before packing"
+                    )));
+                }
+                if p + r.len() - 1 > max_positions {
+                    return Err(ModelError::Batch(format!(
+                        "prompt group {gi}, response {ri}: prompt ({p}) and response ({}) make {} input positions, more than the model's {max_positions} positions (max_position_embeddings)",
+                        r.len(),
+                        p + r.len() - 1
+                    )));
+                }
+                bad_id(format!("response {ri}"), r)?;
+                targets.push(r[0]);
+                rows.push((start + p - 1) as u32);
+                if r.len() >= 2 {
+                    let at = inputs.len();
+                    inputs.extend_from_slice(&r[..r.len() - 1]);
+                    lengths.push(r.len() - 1);
+                    prefix_of.push(Some(prefix));
+                    for t in 1..r.len() {
+                        targets.push(r[t]);
+                        rows.push((at + t - 1) as u32);
+                    }
+                }
+            }
+        }
+        let (n, m) = (inputs.len(), targets.len());
+        Ok(TokenBatch {
+            inputs: Tensor::from_vec(inputs, n, device)?,
+            targets: Tensor::from_vec(targets, m, device)?,
+            packing: Packing::with_shared_prefixes(&lengths, &prefix_of, device)?,
+            rope: None,
+            logprob_rows: Some(Tensor::from_vec(rows, m, device)?),
         })
     }
 
@@ -126,9 +248,16 @@ impl TokenBatch {
         })
     }
 
-    /// Number of rows `N` (input tokens, one log-prob each).
+    /// Number of rows `N` (input tokens; one log-prob each unless the batch has shared
+    /// prefixes).
     pub fn num_tokens(&self) -> usize {
         self.packing.total_tokens()
+    }
+
+    /// Number of log-probs `M` (targets): `N`, or with shared prefixes one more per
+    /// response than it has rows.
+    pub fn num_logprobs(&self) -> usize {
+        self.targets.dim(0).unwrap_or(0)
     }
 
     /// Number of sequences.

@@ -736,6 +736,11 @@ impl Decoder {
         for layer in &self.layers {
             x = layer.forward(cx, &x, &batch.packing, rope)?;
         }
+        if let Some(rows) = &batch.logprob_rows {
+            // Shared prefixes: the row predicting each target (a prompt's last row once
+            // per response); the backward sums a row's uses in a fixed order.
+            x = cx.embedding(&x, rows)?;
+        }
         self.head(cx, &x, &targets)
     }
 
@@ -763,13 +768,30 @@ impl Decoder {
         let rope = batch
             .rope_tables()
             .map_err(|e| Error::Tape(e.to_string()))?;
-        if batch.inputs.dims() != [n] || batch.targets.dims() != [n] || rope.num_tokens() != n {
+        let m = match &batch.logprob_rows {
+            Some(rows) => rows.dim(0).unwrap_or(usize::MAX),
+            None => n,
+        };
+        if batch.inputs.dims() != [n] || batch.targets.dims() != [m] || rope.num_tokens() != n {
             return bad(format!(
-                "inputs {:?}, targets {:?} and rope tables of {} rows should all have the packing's {n} rows",
+                "inputs {:?} and rope tables of {} rows should have the packing's {n} rows, targets {:?} the {m} log-prob rows",
                 batch.inputs.dims(),
+                rope.num_tokens(),
                 batch.targets.dims(),
-                rope.num_tokens()
             ));
+        }
+        if let Some(rows) = &batch.logprob_rows {
+            let max = if m == 0 {
+                0
+            } else {
+                rows.max(0)?.to_scalar::<u32>()? as usize
+            };
+            if rows.rank() != 1 || max >= n {
+                return bad(format!(
+                    "logprob_rows {:?} should be u32 [M] of rows below {n}, got a largest row {max}",
+                    rows.dims()
+                ));
+            }
         }
         if rope.head_dim() != self.cfg.head_dim {
             return bad(format!(

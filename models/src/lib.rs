@@ -82,7 +82,7 @@ pub mod rng;
 mod tokenizer;
 pub mod zoo;
 
-pub use batch::TokenBatch;
+pub use batch::{PromptGroup, TokenBatch};
 pub use config::{
     DecoderConfig, RopeScaling, SUPPORTED_ARCHITECTURES, SUPPORTED_MODEL_TYPES,
     SUPPORTED_ROPE_TYPES,
