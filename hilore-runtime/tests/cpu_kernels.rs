@@ -377,7 +377,9 @@ fn attention_shared_prefix_equals_its_concatenations() {
 #[test]
 fn shared_prefix_packings_are_checked() {
     let dev = Device::Cpu;
-    let bad: [(&[usize], &[Option<usize>], &str); 4] = [
+    // (lengths, prefix_of, what the error says)
+    type Case<'a> = (&'a [usize], &'a [Option<usize>], &'a str);
+    let bad: [Case; 4] = [
         (&[3, 2], &[None], "one entry per sequence"),
         (&[3, 2], &[Some(1), None], "does not come before it"),
         (&[3, 2, 2], &[None, Some(0), Some(1)], "one level deep"),

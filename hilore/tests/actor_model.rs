@@ -111,6 +111,7 @@ fn a_model_of_ones_own_trains_through_the_actor_update() {
             token_budget: 64,
             plan: Plan::store_all().with_unit("tiny.mix", fidelity),
             skip_zero_exposure: false,
+            shared_prefix: false,
             allocator: None,
         };
         let rep = actor_update(&mut m, None, &mut opt, &rollout, &adv, &settings).unwrap();

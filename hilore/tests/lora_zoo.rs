@@ -314,6 +314,7 @@ fn grpo_trains_the_adapters_alone() {
         token_budget: 96,
         plan: Plan::store_all(),
         skip_zero_exposure: false,
+        shared_prefix: false,
         allocator: Some(Rc::new(RefCell::new(alloc))),
     };
     let mut opt = AdamW::new(

@@ -202,8 +202,8 @@ impl TokenBatch {
                     inputs.extend_from_slice(&r[..r.len() - 1]);
                     lengths.push(r.len() - 1);
                     prefix_of.push(Some(prefix));
-                    for t in 1..r.len() {
-                        targets.push(r[t]);
+                    for (t, &token) in r.iter().enumerate().skip(1) {
+                        targets.push(token);
                         rows.push((at + t - 1) as u32);
                     }
                 }

@@ -202,6 +202,7 @@ fn trains_with_grpo_through_the_actor_update() {
         token_budget: 128,
         plan: Plan::store_all(),
         skip_zero_exposure: false,
+        shared_prefix: false,
         allocator: Some(Rc::new(RefCell::new(alloc))),
     };
     let before = m.wte.tensor().to_vec2::<f32>().unwrap();

@@ -49,7 +49,21 @@ pub trait ActorModel {
     /// next tokens), with whatever per-row tables the model reads (positions, RoPE).
     fn batch(&self, seqs: &[Vec<u32>]) -> anyhow::Result<hilore_models::TokenBatch>;
 
-    /// The log-prob of every target of `batch` (`[N]`), recorded on `cx` so its
+    /// The packed batch of prompt groups with each prompt held once
+    /// ([`hilore_models::TokenBatch::from_shared_prefixes`]), for the shared-prefix actor
+    /// update ([`update::UpdateSettings::shared_prefix`]). A model that does not take such
+    /// batches keeps this default, an error saying so.
+    fn shared_batch(
+        &self,
+        _groups: &[hilore_models::PromptGroup],
+    ) -> anyhow::Result<hilore_models::TokenBatch> {
+        anyhow::bail!(
+            "this model does not pack shared prefixes: implement ActorModel::shared_batch (TokenBatch::from_shared_prefixes or pack_shared_prefixes, and read batch.logprob_rows in token_logprobs), or train without --shared-prefix"
+        )
+    }
+
+    /// The log-prob of every target of `batch` (`[M]`: one per row, or with shared
+    /// prefixes [`hilore_models::TokenBatch::num_logprobs`]), recorded on `cx` so its
     /// recovery units take the plan's fidelities.
     fn token_logprobs<'m>(
         &'m self,
@@ -68,6 +82,17 @@ impl ActorModel for Decoder {
     fn batch(&self, seqs: &[Vec<u32>]) -> anyhow::Result<hilore_models::TokenBatch> {
         Ok(hilore_models::TokenBatch::from_sequences(
             seqs,
+            self.config(),
+            self.head_weight().device(),
+        )?)
+    }
+
+    fn shared_batch(
+        &self,
+        groups: &[hilore_models::PromptGroup],
+    ) -> anyhow::Result<hilore_models::TokenBatch> {
+        Ok(hilore_models::TokenBatch::from_shared_prefixes(
+            groups,
             self.config(),
             self.head_weight().device(),
         )?)

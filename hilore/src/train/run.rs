@@ -438,6 +438,7 @@ pub fn run(mut args: TrainArgs) -> anyhow::Result<ExitCode> {
         token_budget: settings.token_budget,
         plan: plan.clone(),
         skip_zero_exposure: settings.skip_zero_exposure,
+        shared_prefix: settings.shared_prefix,
         allocator: run.allocator.clone(),
     };
     let mut metrics_file = match &args.metrics {

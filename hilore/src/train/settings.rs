@@ -58,6 +58,9 @@ pub(super) struct RunSettings {
     pub(super) target_rel_l2: Option<f64>,
     pub(super) token_budget: usize,
     pub(super) skip_zero_exposure: bool,
+    /// `--shared-prefix` (absent when off, as in checkpoints written before it existed).
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub(super) shared_prefix: bool,
     pub(super) seed: u64,
 }
 
@@ -363,6 +366,7 @@ impl RunSettings {
                 .filter(|t| t.to_bits() != DEFAULT_TARGET_REL_L2.to_bits()),
             token_budget: a.token_budget,
             skip_zero_exposure: a.skip_zero_exposure,
+            shared_prefix: a.shared_prefix,
             seed: a.seed,
         })
     }

@@ -6,7 +6,7 @@ use super::rollout::Rollout;
 use super::ActorModel;
 use anyhow::Context;
 use candle_core::Tensor;
-use hilore_models::TokenBatch;
+use hilore_models::{PromptGroup, TokenBatch};
 use hilore_runtime::allocator::{
     MicrobatchInput, MicrobatchShape, OnlineAllocator, PassResult, Workload,
 };
@@ -43,6 +43,10 @@ pub struct UpdateSettings {
     /// and the step's exposures, under the memory budget, whenever the coefficients are
     /// known before the forward; `plan` is used otherwise.
     pub allocator: Option<Rc<RefCell<OnlineAllocator>>>,
+    /// Shared prefixes (`--shared-prefix`): a microbatch holds each prompt once with the
+    /// responses of it that it packs ([`Micro::shared`]); the model must implement
+    /// [`ActorModel::shared_batch`].
+    pub shared_prefix: bool,
 }
 
 /// What an update did.
@@ -58,7 +62,8 @@ pub struct UpdateReport {
     /// the coefficients are known then: the rollout's first optimizer step, no KL); the
     /// others ran under the fallback plan.
     pub planned_microbatches: usize,
-    /// Rows through forward and backward, all epochs.
+    /// Rows through forward and backward, all epochs (with shared prefixes, the rows the
+    /// sequences have unshared, so that throughputs compare).
     pub update_tokens: usize,
     /// Sequences (and their rows) not run because their exposure is zero.
     pub skipped_sequences: usize,
@@ -176,6 +181,58 @@ impl Micro {
         Ok(Micro { batch, targets })
     }
 
+    /// Packs `seqs[i]` for `i` in `members` with shared prefixes: consecutive members with
+    /// the same prompt make one [`PromptGroup`] (the prompt's rows once, each response
+    /// continuing it), trained on each response's tokens; with `quantum`, padded by an
+    /// untrained group to a multiple of `quantum` rows. A prompt whose responses the
+    /// packer spread over several microbatches is held once in each of them.
+    pub fn shared<M: ActorModel>(
+        model: &M,
+        seqs: &[Vec<u32>],
+        prompt_lens: &[usize],
+        members: &[usize],
+        quantum: Option<usize>,
+    ) -> anyhow::Result<Self> {
+        let mut groups: Vec<PromptGroup> = Vec::new();
+        let mut targets = Vec::with_capacity(members.len());
+        // The next log-prob's index and the rows so far.
+        let (mut at, mut rows) = (0, 0);
+        for &i in members {
+            let p = prompt_lens[i];
+            anyhow::ensure!(
+                p >= 1 && p < seqs[i].len(),
+                "sequence {i}: a prompt of {p} tokens in a sequence of {}; a shared-prefix microbatch needs a prompt and a response of at least 1 token each",
+                seqs[i].len()
+            );
+            let (prompt, response) = seqs[i].split_at(p);
+            match groups.last_mut() {
+                Some(g) if g.prompt == prompt => g.responses.push(response.to_vec()),
+                _ => {
+                    groups.push(PromptGroup {
+                        prompt: prompt.to_vec(),
+                        responses: vec![response.to_vec()],
+                    });
+                    at += p - 1;
+                    rows += p;
+                }
+            }
+            targets.push((at, response.len()));
+            at += response.len();
+            rows += response.len() - 1;
+        }
+        if let Some(q) = quantum {
+            let pad = rows.div_ceil(q) * q - rows;
+            if pad > 0 {
+                groups.push(PromptGroup {
+                    prompt: vec![0; pad],
+                    responses: vec![vec![0]],
+                });
+            }
+        }
+        let batch = model.shared_batch(&groups)?;
+        Ok(Micro { batch, targets })
+    }
+
     /// The trained targets' values of a per-row vector, sequence after sequence.
     pub fn gather(&self, rows: &[f32]) -> Vec<f32> {
         let mut out = Vec::new();
@@ -185,9 +242,10 @@ impl Micro {
         out
     }
 
-    /// A per-row seed: `per_target` at the trained targets, 0 elsewhere (prompt rows).
+    /// A per-log-prob seed: `per_target` at the trained targets, 0 elsewhere (prompt
+    /// tokens, padding).
     pub fn seed(&self, per_target: &[f32]) -> anyhow::Result<Tensor> {
-        let n = self.batch.num_tokens();
+        let n = self.batch.num_logprobs();
         let mut v = vec![0f32; n];
         let mut k = 0;
         for &(s, len) in &self.targets {
@@ -236,13 +294,14 @@ impl<'a, M: ActorModel> TapeWorkload<'a, M> {
         }
     }
 
-    /// Adds a microbatch: its batch and its seed (`f32 [rows]`, dL/dlogp of every row,
-    /// 0 where nothing is trained). Its exposure is the seed's L2 norm.
+    /// Adds a microbatch: its batch and its seed (`f32 [M]`, dL/dlogp of every log-prob
+    /// of the batch, one per row unless it has shared prefixes, 0 where nothing is
+    /// trained). Its exposure is the seed's L2 norm.
     pub fn push(&mut self, batch: TokenBatch, seed: Tensor) -> anyhow::Result<()> {
-        let rows = batch.num_tokens();
+        let rows = batch.num_logprobs();
         anyhow::ensure!(
             seed.dims() == [rows],
-            "TapeWorkload::push: the seed is {:?}, the batch has {rows} rows; give one dL/dlogp per row ([{rows}], 0 on untrained rows)",
+            "TapeWorkload::push: the seed is {:?}, the batch has {rows} log-probs; give one dL/dlogp per log-prob ([{rows}], 0 on untrained ones)",
             seed.dims()
         );
         let v = seed.to_dtype(candle_core::DType::F32)?.to_vec1::<f32>()?;
@@ -371,6 +430,10 @@ fn select_and_pack(
             members.push(i);
         }
     }
+    if s.shared_prefix {
+        return pack_shared_prefixes(r, &members, s.token_budget)
+            .context("packing the actor update's microbatches");
+    }
     let rows: Vec<usize> = members.iter().map(|&i| r.seqs[i].len() - 1).collect();
     let packs = pack_by_token_budget(&rows, s.token_budget)
         .context("packing the actor update's microbatches")?;
@@ -378,6 +441,50 @@ fn select_and_pack(
         .into_iter()
         .map(|p| p.into_iter().map(|k| members[k]).collect())
         .collect())
+}
+
+/// `members` in order into microbatches of at most `budget` rows, counting a prompt's rows
+/// once per microbatch ([`Micro::shared`]): a response that follows another of the same
+/// prompt in its microbatch adds its own rows only. A group that does not fit continues in
+/// the next microbatch, which holds the prompt again: splitting a group costs one more
+/// copy of its prompt, while keeping it whole would leave a microbatch under-filled or
+/// exceed the budget.
+fn pack_shared_prefixes(
+    r: &Rollout,
+    members: &[usize],
+    budget: usize,
+) -> anyhow::Result<Vec<Vec<usize>>> {
+    anyhow::ensure!(
+        budget > 0,
+        "microbatch token budget is 0; it must hold at least one whole sequence"
+    );
+    let prompt = |i: usize| &r.seqs[i][..r.prompt_lens[i]];
+    let (mut out, mut cur, mut used): (Vec<Vec<usize>>, Vec<usize>, usize) =
+        (Vec::new(), Vec::new(), 0);
+    for &i in members {
+        let full = r.seqs[i].len() - 1;
+        anyhow::ensure!(
+            full <= budget,
+            "sequence {i} has {full} tokens, more than the microbatch token budget of {budget}; raise the budget to at least {full} or lower the maximum prompt + response length"
+        );
+        let continues = cur.last().is_some_and(|&j| prompt(j) == prompt(i));
+        let cost = if continues {
+            r.response_lens[i] - 1
+        } else {
+            full
+        };
+        if used + cost > budget && !cur.is_empty() {
+            out.push(std::mem::take(&mut cur));
+            used = full;
+        } else {
+            used += cost;
+        }
+        cur.push(i);
+    }
+    if !cur.is_empty() {
+        out.push(cur);
+    }
+    Ok(out)
 }
 
 /// Log-probs an epoch needs from earlier ones: the first epoch's training log-probs (the
@@ -413,7 +520,11 @@ fn epoch_grads<M: ActorModel>(
             let mut wl = TapeWorkload::new(m);
             let mut targets = Vec::with_capacity(packs.len());
             for pack in packs {
-                let micro = Micro::padded(m, &r.seqs, &r.prompt_lens, pack, PAD_QUANTUM)?;
+                let micro = if s.shared_prefix {
+                    Micro::shared(m, &r.seqs, &r.prompt_lens, pack, Some(PAD_QUANTUM))?
+                } else {
+                    Micro::padded(m, &r.seqs, &r.prompt_lens, pack, PAD_QUANTUM)?
+                };
                 let lengths: Vec<usize> = pack.iter().map(|&i| r.response_lens[i]).collect();
                 let adv: Vec<f32> = pack.iter().map(|&i| advantages[i]).collect();
                 let w: Vec<f32> = pack.iter().map(|&i| weights[i]).collect();
@@ -448,6 +559,7 @@ fn epoch_grads<M: ActorModel>(
                 batch: mi.batch.clone(),
                 targets: mi.targets.clone(),
             },
+            None if s.shared_prefix => Micro::shared(m, &r.seqs, &r.prompt_lens, pack, None)?,
             None => Micro::new(m, &r.seqs, &r.prompt_lens, pack)?,
         };
         let lengths: Vec<usize> = pack.iter().map(|&i| r.response_lens[i]).collect();
@@ -548,7 +660,13 @@ fn epoch_grads<M: ActorModel>(
             alloc.borrow_mut().observe(&decisions[k], cx.times());
         }
         rep.peak_activation_bytes = rep.peak_activation_bytes.max(cx.memory().peak_bytes());
-        rep.update_tokens += micro.batch.num_tokens();
+        rep.update_tokens += if s.shared_prefix {
+            // The rows of the concatenations, so that throughputs compare with and
+            // without shared prefixes.
+            pack.iter().map(|&i| r.seqs[i].len() - 1).sum()
+        } else {
+            micro.batch.num_tokens()
+        };
     }
     let planned_exposures = planned
         .as_ref()
@@ -617,7 +735,11 @@ pub fn actor_update<M: ActorModel>(
         // sampling policy's) are taken now, before the first optimizer step, as TRL
         // takes them at generation.
         for pack in packs.iter().skip(1).flatten() {
-            let micro = Micro::new(model, &r.seqs, &r.prompt_lens, pack)?;
+            let micro = if s.shared_prefix {
+                Micro::shared(model, &r.seqs, &r.prompt_lens, pack, None)?
+            } else {
+                Micro::new(model, &r.seqs, &r.prompt_lens, pack)?
+            };
             let mut cx = Cx::inference();
             let lp = model.token_logprobs(&mut cx, &micro.batch)?;
             let lp = micro.gather(&lp.tensor().to_vec1::<f32>()?);
@@ -665,6 +787,129 @@ mod tests {
     use candle_core::Device;
     use hilore_models::{Decoder, DecoderConfig};
     use hilore_runtime::grpo::advantages as group_advantages;
+
+    /// The shared-prefix update (each prompt once per microbatch) gives the unshared
+    /// update's gradient: the same sums in another order, so within `reference.rs`'s
+    /// derived f32 bound (1e-5 relative L2 per parameter; a prompt row counted once too
+    /// many or too few would be O(1e-1)). A budget of 16 rows splits both groups of 4
+    /// responses, so a prompt is held again in the next microbatch; gradient
+    /// checkpointing over shared prefixes equals store bit for bit.
+    #[test]
+    fn shared_prefixes_keep_the_gradient() {
+        let cfg = DecoderConfig {
+            vocab_size: 17,
+            hidden_size: 16,
+            intermediate_size: 24,
+            num_hidden_layers: 2,
+            num_attention_heads: 2,
+            num_key_value_heads: 1,
+            head_dim: 8,
+            ..DecoderConfig::tiny()
+        };
+        let model = Decoder::random(&cfg, 2, &Device::Cpu).unwrap();
+        let prompts = [vec![0u32, 3, 4, 5, 6, 2], vec![0, 9, 2, 8, 7, 7]];
+        let responses: [&[u32]; 8] = [
+            &[5, 1],
+            &[6, 7, 8, 9, 10, 11, 1],
+            &[12],
+            &[5, 5, 5, 5, 1],
+            &[13, 14, 1],
+            &[15, 16, 3, 4, 5, 6, 7, 8, 1],
+            &[2, 1],
+            &[3],
+        ];
+        let seqs: Vec<Vec<u32>> = responses
+            .iter()
+            .enumerate()
+            .map(|(i, r)| [prompts[i / 4].as_slice(), r].concat())
+            .collect();
+        let rewards = vec![1.0, 0.0, 0.5, 1.0, 0.0, 0.2, 1.0, 0.0];
+        let r = Rollout::scored(seqs, vec![6; 8], rewards.clone());
+        let adv = group_advantages(&rewards, 4, Default::default(), 1e-4).unwrap();
+        let weights =
+            hilore_runtime::grpo::aggregation_weights(&r.response_lens, Default::default());
+        let grads = |shared: bool, plan: Plan| {
+            let s = UpdateSettings {
+                grpo: GrpoConfig::default(),
+                layout: StepLayout::single(8),
+                token_budget: 16,
+                plan,
+                skip_zero_exposure: false,
+                shared_prefix: shared,
+                allocator: None,
+            };
+            let mut rep = UpdateReport::default();
+            let packs = select_and_pack(&r, &adv, &s, 0..8, &mut rep).unwrap();
+            let mut mem = EpochMemory {
+                old: vec![Vec::new(); 8],
+                reference: vec![Vec::new(); 8],
+            };
+            let g = epoch_grads(
+                &model, None, &r, &adv, &weights, &packs, 0, true, &s, &mut mem, &mut rep,
+            )
+            .unwrap();
+            (g.grads, packs, rep)
+        };
+        let (plain, plain_packs, plain_rep) = grads(false, hilore_models::plans::store_all());
+        let (shared, packs, rep) = grads(true, hilore_models::plans::store_all());
+        // Every microbatch within the budget, a prompt's rows counted once in each.
+        for p in &packs {
+            let mut rows = 0;
+            for (k, &i) in p.iter().enumerate() {
+                let continues = k > 0 && i / 4 == p[k - 1] / 4;
+                rows += if continues {
+                    r.response_lens[i] - 1
+                } else {
+                    r.seqs[i].len() - 1
+                };
+            }
+            assert!(rows <= 16, "{packs:?}: {rows} rows");
+        }
+        // Group 0 (its prompt's 6 rows, then 1, 6, 0 and 4 of its responses) spreads over
+        // two microbatches, each holding its prompt; sharing needs fewer microbatches than
+        // copies.
+        assert_eq!(packs, [vec![0, 1, 2], vec![3], vec![4, 5], vec![6, 7]]);
+        assert_eq!(plain_packs.len(), 6, "{plain_packs:?}");
+        // Throughputs count the same rows either way.
+        assert_eq!(rep.update_tokens, plain_rep.update_tokens);
+        for (name, p) in model.named_params() {
+            let (a, b) = (shared.get(p.id()).unwrap(), plain.get(p.id()).unwrap());
+            let d = (a - b)
+                .unwrap()
+                .sqr()
+                .unwrap()
+                .sum_all()
+                .unwrap()
+                .to_scalar::<f32>()
+                .unwrap();
+            let n = b
+                .sqr()
+                .unwrap()
+                .sum_all()
+                .unwrap()
+                .to_scalar::<f32>()
+                .unwrap();
+            let e = (d as f64 / n as f64).sqrt();
+            assert!(e <= 1e-5, "{name}: relative L2 {e:e}");
+        }
+        let (gc, _, _) = grads(true, hilore_models::plans::gradient_checkpointing());
+        for (name, p) in model.named_params() {
+            let bits = |t: &Tensor| {
+                t.flatten_all()
+                    .unwrap()
+                    .to_vec1::<f32>()
+                    .unwrap()
+                    .iter()
+                    .map(|x| x.to_bits())
+                    .collect::<Vec<_>>()
+            };
+            assert_eq!(
+                bits(gc.get(p.id()).unwrap()),
+                bits(shared.get(p.id()).unwrap()),
+                "{name}"
+            );
+        }
+    }
 
     /// Skipping the zero-exposure sequences leaves the gradient unchanged up to f32
     /// summation order (the microbatches hold other rows, so matmul blocking differs):
@@ -716,6 +961,7 @@ mod tests {
             token_budget: 64,
             plan: hilore_models::plans::store_all(),
             skip_zero_exposure: skip,
+            shared_prefix: false,
             allocator: None,
         };
         let grads = |skip: bool| {
