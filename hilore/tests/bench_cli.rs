@@ -155,6 +155,57 @@ fn bench_json_and_plots() {
     std::fs::remove_dir_all(&dir).ok();
 }
 
+/// `hilore bench --shared-prefix` (the math shape) runs every policy on shared-prefix
+/// microbatches: each peak equal to the prediction and within its budget, the exact
+/// policies' gradients the exact one bit for bit; the report says the layout. A shape
+/// whose prompts cannot fit `--rows` is refused naming the rows it needs.
+#[test]
+fn bench_with_shared_prefixes() {
+    let dir = tmpdir("bench-test", "shared");
+    let json = dir.join("bench.json");
+    run_ok(&tiny_bench(
+        &dir,
+        &[
+            "--rows",
+            "512",
+            "--prompts",
+            "2",
+            "--shape",
+            "math",
+            "--shared-prefix",
+            "--risk-targets",
+            "0.03",
+            "--json",
+            path(&json),
+        ],
+    ));
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    assert_eq!(v["config"]["shared_prefix"], true);
+    assert_eq!(v["config"]["shape"], "math");
+    for p in v["policies"].as_array().unwrap() {
+        assert_eq!(p["peak_matches_prediction"], true, "{}", p["policy"]);
+        if !p["budget_bytes"].is_null() {
+            assert!(
+                p["peak_total_bytes"].as_u64().unwrap() <= p["budget_bytes"].as_u64().unwrap(),
+                "{} over budget",
+                p["policy"]
+            );
+        }
+        if ["store-all", "full-recompute (GC)", "budgeted-recompute"]
+            .contains(&p["policy"].as_str().unwrap())
+        {
+            assert_eq!(p["grad_rel_l2"].as_f64().unwrap(), 0.0, "{}", p["policy"]);
+        }
+    }
+    let (_, _, stderr) = hilore(&tiny_bench(
+        &dir,
+        &["--rows", "512", "--prompts", "2", "--shape", "long-prompt"],
+    ));
+    assert!(stderr.contains("give --rows of at least 2049"), "{stderr}");
+    std::fs::remove_dir_all(&dir).ok();
+}
+
 #[test]
 fn infeasible_budget_is_a_clear_error() {
     let dir = tmpdir("bench-test", "infeasible");

@@ -24,6 +24,16 @@ pub struct BenchArgs {
     /// Prompts per GRPO step.
     #[arg(long, default_value_t = 8)]
     pub(super) prompts: usize,
+    /// Prompt and response lengths: `default` (prompts 24-96 tokens, responses 32 +
+    /// Exp(110)), `math` (prompts 80-120, responses about 300) or `long-prompt` (prompts
+    /// 1024-2048, responses about 256; needs --rows of at least 2049).
+    #[arg(long, value_enum, default_value = "default")]
+    pub(super) shape: super::workload::StepShape,
+    /// Every policy runs the shared-prefix layout: a microbatch holds each prompt once with
+    /// the responses of it that it packs (`hilore train --shared-prefix`). Throughputs
+    /// count the rows the sequences have unshared.
+    #[arg(long)]
+    pub(super) shared_prefix: bool,
     /// Responses per prompt.
     #[arg(long, default_value_t = 8)]
     pub(super) group: usize,

@@ -311,7 +311,7 @@ pub(super) fn measure(
         }
     }
     let exact = exact.as_ref().context("no exact gradient")?;
-    let rows_total: usize = mbs.iter().map(|m| m.batch.num_tokens()).sum();
+    let rows_total: usize = mbs.iter().map(|m| m.rows_counted).sum();
     let mut out = Vec::with_capacity(n);
     for (i, (kind, planned, budget, factor)) in policies.iter().enumerate() {
         let (step_err, rel, cos) = grad_error(&step_grads[i], &exact.step);

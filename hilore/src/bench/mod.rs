@@ -53,6 +53,8 @@ pub fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
         prompts: args.prompts,
         group: args.group,
         rows_per_microbatch: args.rows,
+        shape: args.shape,
+        shared_prefix: args.shared_prefix,
     };
     let mbs = grpo_step(&cfg, spec, args.seed.wrapping_add(1), &device)?;
     // Two calibration microbatches with different squared lengths and nonzero exposure,
@@ -308,6 +310,8 @@ pub fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
             params: model.num_params(),
             layers: cfg.num_hidden_layers,
             rows_per_microbatch: args.rows,
+            shape: args.shape,
+            shared_prefix: args.shared_prefix,
             microbatches: mbs.len(),
             sequences: mbs.iter().map(|m| m.sequences).sum(),
             zero_advantage_sequences: mbs.iter().map(|m| m.zero_advantage_sequences).sum(),

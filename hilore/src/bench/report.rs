@@ -13,6 +13,8 @@ pub(super) struct ConfigOut {
     pub(super) params: usize,
     pub(super) layers: usize,
     pub(super) rows_per_microbatch: usize,
+    pub(super) shape: super::workload::StepShape,
+    pub(super) shared_prefix: bool,
     pub(super) microbatches: usize,
     pub(super) sequences: usize,
     pub(super) zero_advantage_sequences: usize,

@@ -2,7 +2,7 @@
 
 use candle_core::{Device, Tensor};
 use hilore_models::rng::SplitMix64;
-use hilore_models::{DecoderConfig, TokenBatch};
+use hilore_models::{DecoderConfig, PromptGroup, TokenBatch};
 use hilore_runtime::allocator::{microbatch_input, MicrobatchInput};
 
 /// One microbatch of the actor update.
@@ -17,6 +17,43 @@ pub struct Microbatch {
     /// Sequences (padding excluded) and how many of them have zero advantage.
     pub sequences: usize,
     pub zero_advantage_sequences: usize,
+    /// The rows throughput counts: the batch's, or with shared prefixes the rows its
+    /// sequences and padding have unshared (so that throughputs compare).
+    pub rows_counted: usize,
+}
+
+/// The lengths a GRPO step is drawn with.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, clap::ValueEnum)]
+#[serde(rename_all = "kebab-case")]
+pub enum StepShape {
+    /// Prompts of 24-96 tokens, responses of `32 + Exp(mean 110)` tokens (capped at 384).
+    Default,
+    /// Math reasoning: prompts of 80-120 tokens, responses of `100 + Exp(mean 200)`
+    /// (capped at 768; about 300 on average).
+    Math,
+    /// Long prompts (retrieval, long context): 1024-2048 tokens, responses of
+    /// `128 + Exp(mean 128)` (capped at 512; about 256).
+    LongPrompt,
+}
+
+impl StepShape {
+    /// Shortest and longest prompt.
+    pub fn prompt_range(self) -> (usize, usize) {
+        match self {
+            StepShape::Default => (24, 96),
+            StepShape::Math => (80, 120),
+            StepShape::LongPrompt => (1024, 2048),
+        }
+    }
+
+    /// A response's base length, the mean of its exponential part, and its cap.
+    fn response(self) -> (f64, f64, usize) {
+        match self {
+            StepShape::Default => (32.0, 110.0, 384),
+            StepShape::Math => (100.0, 200.0, 768),
+            StepShape::LongPrompt => (128.0, 128.0, 512),
+        }
+    }
 }
 
 /// How a GRPO step is drawn.
@@ -28,22 +65,30 @@ pub struct StepSpec {
     pub group: usize,
     /// Rows (tokens) of every microbatch.
     pub rows_per_microbatch: usize,
+    /// Prompt and response lengths.
+    pub shape: StepShape,
+    /// Each prompt once per microbatch ([`TokenBatch::from_shared_prefixes`]).
+    pub shared_prefix: bool,
 }
 
 /// A GRPO-like optimizer step, packed into microbatches of exactly
 /// `spec.rows_per_microbatch` rows.
 ///
-/// Per prompt: a length uniform in 24..=96 tokens and a solve rate `p` that is 0 with
-/// probability 0.15 (too hard), 1 with probability 0.10 (too easy) and uniform in
-/// (0.1, 0.9) otherwise. Each of the `group` responses is correct with probability `p` (reward 1,
-/// else 0) and has `32 + Exp(mean 110)` tokens (capped at 384), correct ones 30% shorter.
+/// Per prompt: a length uniform in the shape's range ([`StepShape`]; 24..=96 tokens by
+/// default) and a solve rate `p` that is 0 with probability 0.15 (too hard), 1 with
+/// probability 0.10 (too easy) and uniform in (0.1, 0.9) otherwise. Each of the `group`
+/// responses is correct with probability `p` (reward 1, else 0) and has the shape's length
+/// (`32 + Exp(mean 110)` tokens, capped at 384, by default), correct ones 30% shorter.
 /// Advantages are GRPO's `(R - mean) / (std + 1e-6)` within the group, so a group whose
 /// rewards are all equal has advantage 0 (about a third of the groups with these rates
 /// and 8 responses per prompt: the familiar share of GRPO groups that carry no signal); per-token coefficients are
 /// `c = -A / (response tokens of the step)` on response tokens (token-mean aggregation,
 /// one update epoch, no KL: `rho = 1`, the case where `c` is known before the forward) and
 /// 0 on prompt tokens. Sequences are packed in group order; a microbatch's leftover rows
-/// are filled by a padding sequence with zero coefficients.
+/// are filled by a padding sequence with zero coefficients. With `shared_prefix`, a
+/// microbatch holds each prompt once with the responses of it that it packs, a group that
+/// does not fit continuing in the next microbatch with its prompt again (as the actor
+/// update's packer does), and the coefficients are per log-prob.
 pub fn grpo_step(
     cfg: &DecoderConfig,
     spec: StepSpec,
@@ -56,14 +101,23 @@ pub fn grpo_step(
         tokens: Vec<u32>,
         prompt: usize,
         advantage: f64,
+        group: usize,
     }
     let vocab = cfg.vocab_size as u64;
     let mut tok_rng = SplitMix64::for_stream(seed, "bench-grpo-tokens");
     let mut seqs = Vec::new();
     let mut response_tokens = 0usize;
     let cap = spec.rows_per_microbatch;
-    for _ in 0..spec.prompts {
-        let plen = 24 + (unit() * 73.0) as usize;
+    let (lo, hi) = spec.shape.prompt_range();
+    let (base, mean_exp, rcap) = spec.shape.response();
+    anyhow::ensure!(
+        cap > hi,
+        "--rows {cap}: the {:?} shape draws prompts of up to {hi} tokens, and a prompt and one response token must fit a microbatch; give --rows of at least {}",
+        spec.shape,
+        hi + 1
+    );
+    for g in 0..spec.prompts {
+        let plen = lo + (unit() * (hi - lo + 1) as f64) as usize;
         let prompt: Vec<u32> = (0..plen).map(|_| tok_rng.below(vocab) as u32).collect();
         let u = unit();
         let p = if u < 0.15 {
@@ -76,11 +130,11 @@ pub fn grpo_step(
         let mut group = Vec::new();
         for _ in 0..spec.group {
             let correct = unit() < p;
-            let mut rlen = 32.0 + (-110.0 * (1.0 - unit()).ln());
+            let mut rlen = base + (-mean_exp * (1.0 - unit()).ln());
             if correct {
                 rlen *= 0.7;
             }
-            let rlen = (rlen as usize).clamp(2, 384).min(cap + 1 - plen.min(cap));
+            let rlen = (rlen as usize).clamp(2, rcap).min(cap + 1 - plen.min(cap));
             let mut t = prompt.clone();
             t.extend((0..rlen).map(|_| tok_rng.below(vocab) as u32));
             t.truncate(cap + 1);
@@ -95,10 +149,23 @@ pub fn grpo_step(
                 tokens: t,
                 prompt: plen,
                 advantage: adv,
+                group: g,
             });
         }
     }
     let w = 1.0 / response_tokens.max(1) as f64;
+    if spec.shared_prefix {
+        let seqs: Vec<SharedSeq> = seqs
+            .into_iter()
+            .map(|s| SharedSeq {
+                coefficient: (-s.advantage * w) as f32,
+                tokens: s.tokens,
+                prompt: s.prompt,
+                group: s.group,
+            })
+            .collect();
+        return pack_shared(cfg, &seqs, cap, &mut tok_rng, device);
+    }
     // Pack.
     let mut out = Vec::new();
     let mut cur: Vec<Vec<u32>> = Vec::new();
@@ -121,6 +188,7 @@ pub fn grpo_step(
         let input = microbatch_input(&batch.packing, cur_c);
         cur_c.clear();
         out.push(Microbatch {
+            rows_counted: batch.num_tokens(),
             batch,
             coeff_tensor,
             input,
@@ -156,6 +224,111 @@ pub fn grpo_step(
     }
     if rows > 0 {
         flush(&mut cur, &mut cur_c, &mut rows, &mut nseq, &mut nzero)?;
+    }
+    Ok(out)
+}
+
+/// A drawn sequence for [`pack_shared`]: its tokens, prompt length, group and the
+/// coefficient of each of its response tokens.
+struct SharedSeq {
+    tokens: Vec<u32>,
+    prompt: usize,
+    group: usize,
+    coefficient: f32,
+}
+
+/// [`grpo_step`]'s packing with shared prefixes: microbatches of exactly `cap` rows, a
+/// prompt's rows once per microbatch, a padding group with zero coefficients.
+fn pack_shared(
+    cfg: &DecoderConfig,
+    seqs: &[SharedSeq],
+    cap: usize,
+    tok_rng: &mut SplitMix64,
+    device: &Device,
+) -> anyhow::Result<Vec<Microbatch>> {
+    let vocab = cfg.vocab_size as u64;
+    let mut out = Vec::new();
+    let mut groups: Vec<PromptGroup> = Vec::new();
+    let mut coeffs: Vec<f32> = Vec::new();
+    let (mut rows, mut counted, mut nseq, mut nzero) = (0usize, 0usize, 0usize, 0usize);
+    let mut last_group: Option<usize> = None;
+    let mut flush = |groups: &mut Vec<PromptGroup>,
+                     coeffs: &mut Vec<f32>,
+                     rows: &mut usize,
+                     counted: &mut usize,
+                     nseq: &mut usize,
+                     nzero: &mut usize|
+     -> anyhow::Result<()> {
+        if *rows < cap {
+            // A prompt of `pad` rows with a one-token response: `pad` rows and log-probs.
+            let pad = cap - *rows;
+            groups.push(PromptGroup {
+                prompt: (0..pad).map(|_| tok_rng.below(vocab) as u32).collect(),
+                responses: vec![vec![tok_rng.below(vocab) as u32]],
+            });
+            coeffs.extend(std::iter::repeat_n(0.0, pad));
+            *counted += pad;
+        }
+        let batch = TokenBatch::from_shared_prefixes(groups, cfg, device)?;
+        anyhow::ensure!(batch.num_logprobs() == coeffs.len());
+        let coeff_tensor = Tensor::from_vec(coeffs.clone(), coeffs.len(), device)?;
+        let input = microbatch_input(&batch.packing, coeffs);
+        out.push(Microbatch {
+            batch,
+            coeff_tensor,
+            input,
+            sequences: *nseq,
+            zero_advantage_sequences: *nzero,
+            rows_counted: *counted,
+        });
+        groups.clear();
+        coeffs.clear();
+        (*rows, *counted, *nseq, *nzero) = (0, 0, 0, 0);
+        Ok(())
+    };
+    for s in seqs {
+        let full = s.tokens.len() - 1;
+        let (prompt, response) = s.tokens.split_at(s.prompt);
+        let mut continues = last_group == Some(s.group) && !groups.is_empty();
+        let cost = if continues { response.len() - 1 } else { full };
+        if rows + cost > cap {
+            flush(
+                &mut groups,
+                &mut coeffs,
+                &mut rows,
+                &mut counted,
+                &mut nseq,
+                &mut nzero,
+            )?;
+            continues = false;
+        }
+        if !continues {
+            groups.push(PromptGroup {
+                prompt: prompt.to_vec(),
+                responses: Vec::new(),
+            });
+            coeffs.extend(std::iter::repeat_n(0.0, prompt.len() - 1));
+            rows += prompt.len();
+        }
+        if let Some(g) = groups.last_mut() {
+            g.responses.push(response.to_vec());
+        }
+        coeffs.extend(std::iter::repeat_n(s.coefficient, response.len()));
+        rows += response.len() - 1;
+        counted += full;
+        nseq += 1;
+        nzero += (s.coefficient == 0.0) as usize;
+        last_group = Some(s.group);
+    }
+    if rows > 0 {
+        flush(
+            &mut groups,
+            &mut coeffs,
+            &mut rows,
+            &mut counted,
+            &mut nseq,
+            &mut nzero,
+        )?;
     }
     Ok(out)
 }
