@@ -157,7 +157,9 @@ fn bench_json_and_plots() {
 
 /// `hilore bench --shared-prefix` (the math shape) runs every policy on shared-prefix
 /// microbatches: each peak equal to the prediction and within its budget, the exact
-/// policies' gradients the exact one bit for bit; the report says the layout. A shape
+/// policies' gradients the exact one bit for bit; the report says the layout, and full
+/// recompute on the same draw unshared is measured beside them and named in the
+/// acceptance figures. A shape
 /// whose prompts cannot fit `--rows` is refused naming the rows it needs.
 #[test]
 fn bench_with_shared_prefixes() {
@@ -198,6 +200,40 @@ fn bench_with_shared_prefixes() {
             assert_eq!(p["grad_rel_l2"].as_f64().unwrap(), 0.0, "{}", p["policy"]);
         }
     }
+    // Full recompute on the same draw unshared, measured in the same run: the budget's
+    // reference. Its step gradient sums other microbatches in another order: within the
+    // shared-prefix decoder tests' float32 bound of 1e-5 relative L2 (the same model's
+    // sums; zero when the draw has no exposure).
+    let policies = v["policies"].as_array().unwrap();
+    let unshared = policies
+        .iter()
+        .find(|p| p["policy"] == "full-recompute, unshared")
+        .expect("the unshared reference row");
+    assert_eq!(unshared["peak_matches_prediction"], true);
+    assert!(unshared["grad_rel_l2"].as_f64().unwrap() <= 1e-5);
+    assert_eq!(
+        unshared["peak_activation_bytes"],
+        v["config"]["gc_peak_activation_bytes"]
+    );
+    assert!(
+        v["config"]["unshared_microbatches"].as_u64().unwrap()
+            >= v["config"]["microbatches"].as_u64().unwrap()
+    );
+    let acc = &v["acceptance"];
+    let hil = policies.iter().find(|p| p["policy"] == "hilore").unwrap();
+    let ratio = acc["hilore_shared_cpu_ratio_to_unshared_gc"]
+        .as_f64()
+        .unwrap();
+    let expect =
+        hil["tokens_per_cpu_s"].as_f64().unwrap() / unshared["tokens_per_cpu_s"].as_f64().unwrap();
+    assert!(
+        (ratio - expect).abs() <= 1e-12 * expect,
+        "{ratio} vs {expect}"
+    );
+    assert_eq!(
+        acc["cpu_ratios_to_unshared_gc"].as_array().unwrap().len(),
+        policies.len() - 1
+    );
     let (_, _, stderr) = hilore(&tiny_bench(
         &dir,
         &["--rows", "512", "--prompts", "2", "--shape", "long-prompt"],

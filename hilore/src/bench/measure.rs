@@ -222,18 +222,66 @@ pub(super) struct Exact {
     pub(super) step: Vec<f32>,
 }
 
+/// Full recompute on the measured step's draw packed without shared prefixes, when the
+/// policies run shared-prefix microbatches: measured interleaved with them, it is the
+/// reference of the shared layout's speed-up (`hilore bench --shared-prefix`).
+pub(super) struct UnsharedReference<'a> {
+    pub(super) mbs: &'a [Microbatch],
+    pub(super) planned: Planned,
+}
+
+/// The name of [`UnsharedReference`]'s row.
+pub(super) const UNSHARED_GC: &str = "full-recompute, unshared";
+
+/// Measures `policies` on `mbs` (and `reference` on its own microbatches), `reps` times,
+/// interleaved per microbatch index. Every row's throughput counts the rows of `mbs`
+/// (with shared prefixes, the rows its sequences have unshared), so that throughputs
+/// compare as the inverse step times of the same sequences.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn measure(
     model: &Decoder,
     mbs: &[Microbatch],
     policies: &[(Kind, Planned, Option<usize>, Option<f64>)],
+    reference: Option<&UnsharedReference<'_>>,
     reps: usize,
     exact: &mut Option<Exact>,
     state: StateBytes,
     bar: &ProgressBar,
     events_of: &mut Vec<(String, Vec<MemoryEvent>)>,
 ) -> anyhow::Result<Vec<PolicyRow>> {
-    let n = policies.len();
+    // Arm i: its name, plans, microbatches and budget; the reference, if any, last.
+    struct ArmOf<'a> {
+        name: &'a str,
+        planned: &'a Planned,
+        mbs: &'a [Microbatch],
+        budget: Option<usize>,
+        factor: Option<f64>,
+        /// Whether it runs `mbs`, whose exact per-microbatch gradients it is held to.
+        main_layout: bool,
+    }
+    let mut arms: Vec<ArmOf<'_>> = policies
+        .iter()
+        .map(|(kind, planned, budget, factor)| ArmOf {
+            name: kind.name(),
+            planned,
+            mbs,
+            budget: *budget,
+            factor: *factor,
+            main_layout: true,
+        })
+        .collect();
+    if let Some(r) = reference {
+        arms.push(ArmOf {
+            name: UNSHARED_GC,
+            planned: &r.planned,
+            mbs: r.mbs,
+            budget: None,
+            factor: None,
+            main_layout: false,
+        });
+    }
+    let n = arms.len();
+    let longest = arms.iter().map(|a| a.mbs.len()).max().unwrap_or(0);
     let mut step_secs = vec![Vec::new(); n];
     let mut step_cpu = vec![Vec::new(); n];
     let mut splits = vec![Vec::<TimeSplit>::new(); n];
@@ -255,17 +303,18 @@ pub(super) fn measure(
     for rep in 0..reps {
         let mut step = vec![0.0; n];
         let mut cpu = vec![0.0; n];
-        let mut split: Vec<TimeSplit> = policies
+        let mut split: Vec<TimeSplit> = arms
             .iter()
-            .map(|p| TimeSplit {
-                solve: p.1.solve_seconds,
+            .map(|a| TimeSplit {
+                solve: a.planned.solve_seconds,
                 ..Default::default()
             })
             .collect();
-        for (m, mb) in mbs.iter().enumerate() {
-            for (i, (kind, planned, _, _)) in policies.iter().enumerate() {
-                let want_events =
-                    rep == 0 && m == 0 && !events_of.iter().any(|e| e.0 == kind.name());
+        for m in 0..longest {
+            for (i, arm) in arms.iter().enumerate() {
+                let Some(mb) = arm.mbs.get(m) else { continue };
+                let planned = arm.planned;
+                let want_events = rep == 0 && m == 0 && !events_of.iter().any(|e| e.0 == arm.name);
                 let r = run_pass(model, mb, &planned.plans[m], rep == 0, want_events)?;
                 bar.inc(1);
                 step[i] += r.seconds;
@@ -284,7 +333,10 @@ pub(super) fn measure(
                     if building_exact && i == 0 {
                         exact_mb.push(gr.clone());
                     }
-                    mb_errs[i].push(grad_error(&gr, &exact_mb[m]).0);
+                    // Per-microbatch errors only where the microbatches are the exact's.
+                    if arm.main_layout {
+                        mb_errs[i].push(grad_error(&gr, &exact_mb[m]).0);
+                    }
                     if step_grads[i].is_empty() {
                         step_grads[i] = gr;
                     } else {
@@ -294,13 +346,13 @@ pub(super) fn measure(
                     }
                 }
                 if let Some(ev) = r.events {
-                    events_of.push((kind.name().to_string(), ev));
+                    events_of.push((arm.name.to_string(), ev));
                 }
             }
         }
         for i in 0..n {
-            step_secs[i].push(step[i] + policies[i].1.solve_seconds);
-            step_cpu[i].push(cpu[i] + policies[i].1.solve_seconds);
+            step_secs[i].push(step[i] + arms[i].planned.solve_seconds);
+            step_cpu[i].push(cpu[i] + arms[i].planned.solve_seconds);
             splits[i].push(split[i].clone());
         }
         if rep == 0 && building_exact {
@@ -313,7 +365,8 @@ pub(super) fn measure(
     let exact = exact.as_ref().context("no exact gradient")?;
     let rows_total: usize = mbs.iter().map(|m| m.rows_counted).sum();
     let mut out = Vec::with_capacity(n);
-    for (i, (kind, planned, budget, factor)) in policies.iter().enumerate() {
+    for (i, arm) in arms.iter().enumerate() {
+        let (planned, budget, factor) = (arm.planned, &arm.budget, &arm.factor);
         let (step_err, rel, cos) = grad_error(&step_grads[i], &exact.step);
         let mb_err: Vec<(f64, Option<f64>)> = mb_errs[i]
             .iter()
@@ -330,7 +383,7 @@ pub(super) fn measure(
             .max()
             .unwrap_or(0);
         out.push(PolicyRow {
-            policy: kind.name().to_string(),
+            policy: arm.name.to_string(),
             plan: planned.note.clone(),
             budget_factor: *factor,
             tokens_per_s: rows_total as f64 / med,

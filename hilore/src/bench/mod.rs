@@ -20,6 +20,7 @@ use crate::common::progress_bar;
 pub use args::BenchArgs;
 use measure::{
     calibrate_step_norm_and_validate, load_average, measure, set_ratios, BenchWorkload, PolicyRow,
+    UnsharedReference,
 };
 use plots::write_plots;
 use policies::{Ctx, Kind, PlannedPolicy};
@@ -57,6 +58,23 @@ pub fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
         shared_prefix: args.shared_prefix,
     };
     let mbs = grpo_step(&cfg, spec, args.seed.wrapping_add(1), &device)?;
+    // With shared prefixes, the same draw packed without them: full recompute there is the
+    // reference whose peak sets the budget and against which the shared layout's speed is
+    // measured, interleaved in this run.
+    let unshared_mbs = if args.shared_prefix {
+        let unshared = StepSpec {
+            shared_prefix: false,
+            ..spec
+        };
+        Some(grpo_step(
+            &cfg,
+            unshared,
+            args.seed.wrapping_add(1),
+            &device,
+        )?)
+    } else {
+        None
+    };
     // Two calibration microbatches with different squared lengths and nonzero exposure,
     // from a separate step (redrawn with the next seed while none has any exposure).
     let mut cal_mbs: Vec<Microbatch> = Vec::new();
@@ -83,13 +101,17 @@ pub fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
     let quiet = args.quiet;
     let bar = |len: usize, phase: &str| progress_bar(len, !quiet, phase);
     eprintln!(
-        "model: {} layers, hidden {}, MLP {}, {} params; {} microbatches of {} rows ({} sequences, {} with zero advantage)",
+        "model: {} layers, hidden {}, MLP {}, {} params; {} microbatches of {} rows{} ({} sequences, {} with zero advantage)",
         cfg.num_hidden_layers,
         cfg.hidden_size,
         cfg.intermediate_size,
         model.num_params(),
         mbs.len(),
         args.rows,
+        match &unshared_mbs {
+            Some(u) => format!(" with shared prefixes ({} unshared)", u.len()),
+            None => String::new(),
+        },
         mbs.iter().map(|m| m.sequences).sum::<usize>(),
         mbs.iter().map(|m| m.zero_advantage_sequences).sum::<usize>(),
     );
@@ -102,6 +124,19 @@ pub fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
     }
     .profile(0)?;
     let mut allocator = Allocator::new(profile, &instances, state, &codecs)?;
+    // The unshared layout's own record, for full recompute's peak and plans there.
+    let unshared_allocator = match &unshared_mbs {
+        Some(u) => {
+            let (profile, instances) = BenchWorkload {
+                model: &model,
+                mbs: u,
+                bar: &indicatif::ProgressBar::hidden(),
+            }
+            .profile(0)?;
+            Some(Allocator::new(profile, &instances, state, &codecs)?)
+        }
+        None => None,
+    };
 
     // Calibrate.
     let t_cal = Instant::now();
@@ -153,7 +188,14 @@ pub fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
             &mut |_| {},
         )?
     };
-    let gc_peak = allocator.simulate_peak(&baselines::gradient_checkpointing(&allocator))?;
+    let gc_peak_of = |a: &Allocator| a.simulate_peak(&baselines::gradient_checkpointing(a));
+    let layout_gc_peak = gc_peak_of(&allocator)?;
+    // The budget is relative to full recompute of the unshared update, also when the
+    // policies run shared prefixes.
+    let gc_peak = match &unshared_allocator {
+        Some(a) => gc_peak_of(a)?,
+        None => layout_gc_peak,
+    };
     let gc_total = gc_peak + state.total();
     let budget_bytes = budget.bytes(gc_total);
     // The gradient-norm scale of a whole held-out step (microbatch gradients partly
@@ -226,7 +268,20 @@ pub fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
             Ok(v)
         };
     let policies = plan_all(budget_bytes, args.target_rel_l2, &Kind::ALL)?;
-    let passes = policies.len() * mbs.len() * args.reps;
+    let reference = match (&unshared_allocator, &unshared_mbs) {
+        (Some(a), Some(u)) => Some(UnsharedReference {
+            mbs: u,
+            planned: Ctx {
+                alloc: a,
+                mbs: u,
+                codecs: codecs.clone(),
+            }
+            .plan(Kind::Gc, budget_bytes, args.target_rel_l2)?,
+        }),
+        _ => None,
+    };
+    let passes =
+        (policies.len() * mbs.len() + reference.as_ref().map_or(0, |r| r.mbs.len())) * args.reps;
     let main_bar = bar(passes, "policies");
     let mut exact = None;
     let mut events = Vec::new();
@@ -234,6 +289,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
         &model,
         &mbs,
         &policies,
+        reference.as_ref(),
         args.reps,
         &mut exact,
         state,
@@ -258,6 +314,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
                 &model,
                 &mbs,
                 &planned,
+                None,
                 args.sweep_reps,
                 &mut exact,
                 state,
@@ -313,6 +370,8 @@ pub fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
             shape: args.shape,
             shared_prefix: args.shared_prefix,
             microbatches: mbs.len(),
+            unshared_microbatches: unshared_mbs.as_ref().map(Vec::len),
+            layout_gc_peak_activation_bytes: layout_gc_peak,
             sequences: mbs.iter().map(|m| m.sequences).sum(),
             zero_advantage_sequences: mbs.iter().map(|m| m.zero_advantage_sequences).sum(),
             exposure_per_microbatch: mbs.iter().map(|m| m.input.exposure).collect(),

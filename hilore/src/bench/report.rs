@@ -1,6 +1,6 @@
 //! The report: what `--json` writes and the table printed.
 
-use super::measure::{median, PolicyRow, RiskValidation};
+use super::measure::{median, PolicyRow, RiskValidation, UNSHARED_GC};
 use super::policies::Kind;
 use crate::common::human_bytes;
 use hilore_models::DecoderConfig;
@@ -16,6 +16,12 @@ pub(super) struct ConfigOut {
     pub(super) shape: super::workload::StepShape,
     pub(super) shared_prefix: bool,
     pub(super) microbatches: usize,
+    /// With shared prefixes: the microbatches of the same draw unshared (full recompute's
+    /// reference row runs them).
+    pub(super) unshared_microbatches: Option<usize>,
+    /// Full recompute's ledger peak in the layout the policies run (with shared prefixes,
+    /// `gc_peak_activation_bytes` is the unshared layout's: the budget's reference).
+    pub(super) layout_gc_peak_activation_bytes: usize,
     pub(super) sequences: usize,
     pub(super) zero_advantage_sequences: usize,
     pub(super) exposure_per_microbatch: Vec<f64>,
@@ -96,6 +102,13 @@ pub(super) struct Acceptance {
     pub(super) hilore_grad_cosine: f64,
     pub(super) every_budgeted_peak_within_budget: bool,
     pub(super) every_budgeted_peak_equals_prediction: bool,
+    /// With shared prefixes: HiLoRe (on shared microbatches) against full recompute on the
+    /// unshared microbatches of the same draw, measured interleaved in the same run; wall
+    /// clock and CPU time (the inverse ratio of step times: the same sequences).
+    pub(super) hilore_shared_ratio_to_unshared_gc: Option<f64>,
+    pub(super) hilore_shared_cpu_ratio_to_unshared_gc: Option<f64>,
+    /// The same for every policy on shared microbatches, by CPU time.
+    pub(super) cpu_ratios_to_unshared_gc: Vec<(String, f64)>,
 }
 
 impl Additivity {
@@ -204,6 +217,18 @@ impl Acceptance {
                 acc.hilore_cpu_ratio_to_fastest_as_exact_baseline,
             ) = fastest(cpu, Some(h.grad_rel_l2)).unwrap_or_default();
         }
+        if let Some(u) = rows.iter().find(|r| r.policy == UNSHARED_GC) {
+            if let Some(h) = hil {
+                acc.hilore_shared_ratio_to_unshared_gc = Some(h.tokens_per_s / u.tokens_per_s);
+                acc.hilore_shared_cpu_ratio_to_unshared_gc =
+                    Some(h.tokens_per_cpu_s / u.tokens_per_cpu_s);
+            }
+            acc.cpu_ratios_to_unshared_gc = rows
+                .iter()
+                .filter(|r| r.policy != UNSHARED_GC)
+                .map(|r| (r.policy.clone(), r.tokens_per_cpu_s / u.tokens_per_cpu_s))
+                .collect();
+        }
         let budgeted = || all.clone().filter(|r| r.budget_bytes.is_some());
         acc.every_budgeted_peak_within_budget = budgeted().all(|r| r.fits_budget == Some(true));
         acc.every_budgeted_peak_equals_prediction = budgeted().all(|r| r.peak_matches_prediction);
@@ -226,9 +251,11 @@ pub(super) fn print_report(r: &Report) {
         c.budget_factor
     );
     println!(
-        "{:<22} {:>9} {:>6} {:>11} {:>11} {:>6} {:>5} {:>10} {:>9} {:>9} {:>34}",
+        "{:<24} {:>9} {:>6} {:>9} {:>6} {:>11} {:>11} {:>6} {:>5} {:>10} {:>9} {:>9} {:>34}",
         "policy",
         "tok/s",
+        "xGC",
+        "tok/cpu-s",
         "xGC",
         "peak total",
         "peak act",
@@ -242,7 +269,7 @@ pub(super) fn print_report(r: &Report) {
     for p in &r.policies {
         let t = &p.time_split_seconds;
         println!(
-            "{:<22} {:>9.0} {:>6.3} {:>9.0} {:>6.3} {:>11} {:>11} {:>6.2} {:>5} {:>10} {:>9.6} {:>9.2e} {:>34}",
+            "{:<24} {:>9.0} {:>6.3} {:>9.0} {:>6.3} {:>11} {:>11} {:>6.2} {:>5} {:>10} {:>9.6} {:>9.2e} {:>34}",
             p.policy,
             p.tokens_per_s,
             p.ratio_to_gc,
@@ -319,6 +346,21 @@ pub(super) fn print_report(r: &Report) {
         a.hilore_cpu_ratio_to_fastest_as_exact_baseline,
         a.fastest_as_exact_baseline_by_cpu
     );
+    if let (Some(w), Some(cpu)) = (
+        a.hilore_shared_ratio_to_unshared_gc,
+        a.hilore_shared_cpu_ratio_to_unshared_gc,
+    ) {
+        println!(
+            "with shared prefixes ({} microbatches; {} unshared): hilore wall {w:.3}x, CPU time {cpu:.3}x full recompute on the unshared microbatches, measured in this run; every policy by CPU time: {}",
+            c.microbatches,
+            c.unshared_microbatches.unwrap_or(0),
+            a.cpu_ratios_to_unshared_gc
+                .iter()
+                .map(|(p, r)| format!("{p} {r:.3}x"))
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
+    }
     println!(
         "risk additivity: measured/predicted median {:.3}, max {:.3}, log-correlation {:.3} over {} microbatch runs",
         r.additivity.median_ratio,
