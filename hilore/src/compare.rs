@@ -75,10 +75,11 @@ pub struct CompareArgs {
     /// default 0,1,2, or none with --merge.
     #[arg(long, value_delimiter = ',', value_parser = parse_seed_range, value_name = "SEEDS")]
     seeds: Option<Vec<SeedRange>>,
-    /// What is compared with full recompute, each `POLICY[@TARGET]`: `hilore` (its
-    /// default risk target, 1e-2), `hilore@3e-3` (`--target-rel-l2 3e-3`; `hilore@0`:
-    /// exact plans only), or any other `hilore train --policy`, e.g.
-    /// `compress-fp8-e4m3-b32`.
+    /// What is compared with full recompute, each `POLICY[@TARGET][+shared]`: `hilore`
+    /// (its default risk target, 1e-2), `hilore@3e-3` (`--target-rel-l2 3e-3`;
+    /// `hilore@0`: exact plans only), or any other `hilore train --policy`, e.g.
+    /// `compress-fp8-e4m3-b32`; `+shared` trains the arm with `--shared-prefix` (each
+    /// prompt once per microbatch), e.g. `recompute+shared`, `hilore+shared`.
     #[arg(
         long,
         value_delimiter = ',',
@@ -124,7 +125,10 @@ Examples:
   hilore compare --merge d.json --seeds 102,103 --arms hilore@3e-2,hilore@1e-2,hilore@3e-3
       Two more seeds added to d.json's; its runs are not repeated.
   hilore compare --seeds 0,1 --arms compress-fp8-e4m3-b32
-      Compress-all FP8 (COAT style) against GC.";
+      Compress-all FP8 (COAT style) against GC.
+  hilore compare --seeds 0-7 --arms recompute+shared,hilore,hilore+shared
+      Shared prefixes against none: GC and HiLoRe with each prompt once per microbatch,
+      each paired with unshared GC.";
 
 /// A seed or an inclusive range of seeds (`100-147`).
 #[derive(Clone, Copy, Debug)]
@@ -148,18 +152,31 @@ fn parse_seed_range(s: &str) -> Result<SeedRange, String> {
     }
 }
 
-/// One arm: a train policy and, for `hilore`, a risk target.
+/// One arm: a train policy, for `hilore` a risk target, and whether its actor update
+/// holds each prompt once per microbatch (`hilore train --shared-prefix`).
 #[derive(Clone, Debug, PartialEq)]
 struct Arm {
-    /// `policy` or `hilore@TARGET`; `hilore` at the default target is `hilore`.
+    /// `policy`, `hilore@TARGET`, either with `+shared`; `hilore` at the default target is
+    /// `hilore`.
     label: String,
     policy: String,
     target_rel_l2: Option<f64>,
+    shared_prefix: bool,
 }
+
+/// The suffix of an arm whose runs train with shared prefixes.
+const SHARED: &str = "+shared";
 
 impl Arm {
     fn parse(s: &str) -> anyhow::Result<Self> {
-        let (policy, target) = match s.split_once('@') {
+        let (body, shared_prefix) = match s.trim().strip_suffix(SHARED) {
+            Some(b) => (b, true),
+            None => (s.trim(), false),
+        };
+        if body.contains('+') {
+            bail!("--arms `{s}`: the only suffix an arm takes is `{SHARED}` (e.g. `hilore@3e-3{SHARED}`)");
+        }
+        let (policy, target) = match body.split_once('@') {
             Some((p, t)) => {
                 let t: f64 = t.trim().parse().map_err(|_| {
                     anyhow::anyhow!(
@@ -171,24 +188,30 @@ impl Arm {
                 }
                 (p.trim(), Some(t))
             }
-            None => (s.trim(), None),
+            None => (body.trim(), None),
         };
-        if policy == REFERENCE {
-            bail!("--arms `{s}`: full recompute is the reference every arm is paired with; name the other policies");
+        if policy == REFERENCE && !shared_prefix {
+            bail!("--arms `{s}`: full recompute is the reference every arm is paired with; name the other policies (or `{REFERENCE}{SHARED}`: full recompute with shared prefixes)");
         }
         crate::train::policy_plan(policy).with_context(|| format!("--arms `{s}`"))?;
         if target.is_some() && policy != "hilore" {
             bail!("--arms `{s}`: a risk target (`@TARGET`) applies to `hilore` only");
         }
         let target = target.filter(|t| t.to_bits() != DEFAULT_TARGET_REL_L2.to_bits());
+        let base = match target {
+            Some(0.0) => format!("{policy}@0"),
+            Some(t) => format!("{policy}@{t:e}"),
+            None => policy.to_string(),
+        };
         Ok(Arm {
-            label: match target {
-                Some(0.0) => format!("{policy}@0"),
-                Some(t) => format!("{policy}@{t:e}"),
-                None => policy.to_string(),
+            label: if shared_prefix {
+                format!("{base}{SHARED}")
+            } else {
+                base
             },
             policy: policy.to_string(),
             target_rel_l2: target,
+            shared_prefix,
         })
     }
 
@@ -197,6 +220,7 @@ impl Arm {
             label: REFERENCE.into(),
             policy: REFERENCE.into(),
             target_rel_l2: None,
+            shared_prefix: false,
         }
     }
 
@@ -255,6 +279,9 @@ struct ArmReport {
     policy: String,
     /// The risk target it planned with (`hilore` arms).
     target_rel_l2: Option<f64>,
+    /// Whether its runs held each prompt once per microbatch (`--shared-prefix`).
+    #[serde(default)]
+    shared_prefix: bool,
     seeds: Vec<u64>,
     gc_accuracy: Vec<f64>,
     accuracy: Vec<f64>,
@@ -395,6 +422,9 @@ fn run_argv(seed: u64, arm: &Arm, dir: &Path, train_args: &[String]) -> Vec<Stri
     ];
     if let Some(t) = arm.target_rel_l2 {
         v.extend(["--target-rel-l2".into(), format!("{t:e}")]);
+    }
+    if arm.shared_prefix {
+        v.push("--shared-prefix".into());
     }
     v.extend(train_args.iter().cloned());
     v
@@ -608,6 +638,7 @@ fn arm_report(arm: &Arm, seeds: &[u64], runs: &[RunSummary]) -> anyhow::Result<O
         arm: arm.label.clone(),
         policy: arm.policy.clone(),
         target_rel_l2: arm.target(),
+        shared_prefix: arm.shared_prefix,
         seeds: pairs.iter().map(|p| p.0.seed).collect(),
         gc_accuracy: pairs.iter().map(|p| p.0.heldout_accuracy_after).collect(),
         accuracy: pairs.iter().map(|p| p.1.heldout_accuracy_after).collect(),
@@ -631,7 +662,11 @@ fn arm_report(arm: &Arm, seeds: &[u64], runs: &[RunSummary]) -> anyhow::Result<O
 /// The trend of the `hilore` arms' paired differences over their targets, on the seeds
 /// that have every one of them; `None` with fewer than two targets above 0.
 fn dose_response(arms: &[ArmReport]) -> anyhow::Result<Option<DoseResponse>> {
-    let mut hil: Vec<&ArmReport> = arms.iter().filter(|a| a.target_rel_l2.is_some()).collect();
+    // The unshared `hilore` arms: a shared one at the same target is another treatment.
+    let mut hil: Vec<&ArmReport> = arms
+        .iter()
+        .filter(|a| a.target_rel_l2.is_some() && !a.shared_prefix)
+        .collect();
     hil.sort_by(|a, b| a.target_rel_l2.partial_cmp(&b.target_rel_l2).unwrap());
     let positive: Vec<&ArmReport> = hil
         .iter()
@@ -727,9 +762,13 @@ pub fn run(args: CompareArgs) -> anyhow::Result<ExitCode> {
             );
         }
     }
+    let shared_for_all = args.train_args.iter().any(|a| a == "--shared-prefix");
     let mut arms: Vec<Arm> = Vec::new();
     for s in &args.arms {
         let a = Arm::parse(s)?;
+        if a.shared_prefix && shared_for_all {
+            bail!("--arms `{s}`: `--shared-prefix` after `--` already holds every run's prompts once per microbatch, the reference's too; drop one of them (`{SHARED}` arms are paired with an unshared reference)");
+        }
         if !arms.contains(&a) {
             arms.push(a);
         }
@@ -797,6 +836,7 @@ pub fn run(args: CompareArgs) -> anyhow::Result<ExitCode> {
                 label: r.arm().to_string(),
                 policy: r.policy.clone(),
                 target_rel_l2: None,
+                shared_prefix: r.arm().ends_with(SHARED),
             });
             all_arms.push(arm);
         }
@@ -1006,6 +1046,14 @@ mod tests {
         assert_eq!(Arm::parse("hilore@0e0").unwrap().label, "hilore@0");
         assert_eq!(Arm::parse("hilore@0.003").unwrap().label, "hilore@3e-3");
         assert_eq!(Arm::parse("compress-bf16").unwrap().target(), None);
+        let shared = Arm::parse("hilore@0.003+shared").unwrap();
+        assert_eq!(shared.label, "hilore@3e-3+shared");
+        assert!(shared.shared_prefix && !Arm::parse("hilore").unwrap().shared_prefix);
+        assert_eq!(Arm::parse("recompute+shared").unwrap().policy, "recompute");
+        assert_ne!(
+            Arm::parse("hilore+shared").unwrap(),
+            Arm::parse("hilore").unwrap()
+        );
         assert!(matches!(
             parse_seed_range("100-147"),
             Ok(SeedRange(100, 147))
@@ -1018,6 +1066,8 @@ mod tests {
             "hilore@-1",
             "compress-bf16@1e-2",
             "nope",
+            "hilore+fast",
+            "hilore+shared+shared",
         ] {
             assert!(Arm::parse(bad).is_err(), "{bad}");
         }

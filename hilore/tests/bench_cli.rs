@@ -372,7 +372,7 @@ fn compare_runs_paired_training() {
 }
 
 /// `hilore compare --arms`: each arm paired with GC, the dose-response trend over two risk
-/// targets, and runs whose arithmetic does not depend on `--jobs` (an exact arm and GC
+/// targets (a `+shared` arm at the default target stays out of it), and runs whose arithmetic does not depend on `--jobs` (an exact arm and GC
 /// give the same accuracies with one job of two threads and two jobs of one thread).
 #[test]
 fn compare_arms_give_a_dose_response_and_jobs_change_no_result() {
@@ -413,15 +413,33 @@ fn compare_arms_give_a_dose_response_and_jobs_change_no_result() {
     let a = compare(
         &dir.join("a.json"),
         "0-1",
-        "hilore@3e-2,hilore@3e-3,compress-bf16",
+        "hilore@3e-2,hilore@3e-3,compress-bf16,hilore+shared",
         "2",
     );
     let arms = a["arms"].as_array().unwrap();
     let labels: Vec<&str> = arms.iter().map(|x| x["arm"].as_str().unwrap()).collect();
-    assert_eq!(labels, ["hilore@3e-2", "hilore@3e-3", "compress-bf16"]);
+    assert_eq!(
+        labels,
+        [
+            "hilore@3e-2",
+            "hilore@3e-3",
+            "compress-bf16",
+            "hilore+shared"
+        ]
+    );
     for arm in arms {
         assert_eq!(arm["sampled"]["n"], 2, "{arm}");
+        assert_eq!(arm["shared_prefix"], arm["arm"] == "hilore+shared", "{arm}");
     }
+    // A `+shared` arm trains with shared prefixes, its reference without.
+    let settings = |file: &str| {
+        let v: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.join(file)).unwrap()).unwrap();
+        // Absent when off.
+        v["settings"]["shared_prefix"].as_bool().unwrap_or(false)
+    };
+    assert!(settings("summary-hilore+shared-0.json"));
+    assert!(!settings("summary-recompute-0.json"));
     // The first arm fills the fields reports had before arms.
     assert_eq!(a["paired_diff_pp"], arms[0]["paired_diff_pp"]);
     let d = &a["dose_response"];

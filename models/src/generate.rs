@@ -13,7 +13,9 @@
 //! ## The cache
 //!
 //! Prompts are left-padded to a common length, so every row's next token goes to the same
-//! cache slot: `k, v: [B, Hkv, capacity, D]` per layer, written in place. Row `b`'s first
+//! cache slot: `k, v: [B, Hkv, capacity, D]` per layer, written in place. A prompt given
+//! several times (GRPO samples G responses to each) is prefilled once and its cache rows
+//! copied to the other rows before they part. Row `b`'s first
 //! `pad[b]` slots are padding, masked out as keys (a padding query attends only to itself,
 //! so no row is fully masked and nothing non-finite appears). Positions (RoPE) count from
 //! each row's first real token. Rows that finish are dropped from the batch (and the cache)
@@ -142,6 +144,8 @@ pub struct Session<'a> {
     capacity: usize,
     /// Padding slots at the start of each row.
     pad: Vec<usize>,
+    /// Rows the prefill ran: the distinct prompts.
+    prefilled: usize,
 }
 
 impl std::fmt::Debug for Session<'_> {
@@ -201,7 +205,20 @@ impl<'a> Session<'a> {
                 problem: "the decoder has no final norm".into(),
             })?;
         let device = model.head_weight().device().clone();
-        let b = prompts.len();
+        // A prompt that repeats (a GRPO group's responses, evaluation's samples) is run
+        // once; its other rows get copies of its cache rows and logits.
+        let mut distinct: Vec<&[u32]> = Vec::new();
+        let mut first_of: std::collections::HashMap<&[u32], u32> = Default::default();
+        let row_of: Vec<u32> = prompts
+            .iter()
+            .map(|p| {
+                *first_of.entry(p.as_slice()).or_insert_with(|| {
+                    distinct.push(p);
+                    (distinct.len() - 1) as u32
+                })
+            })
+            .collect();
+        let b = distinct.len();
         let tmax = prompts.iter().map(Vec::len).max().unwrap_or(0);
         let capacity = tmax + max_new_tokens;
         let (hkv, d) = (cfg.num_key_value_heads, cfg.head_dim);
@@ -212,10 +229,10 @@ impl<'a> Session<'a> {
                 v: Tensor::zeros((b, hkv, capacity, d), DType::F32, &device)?,
             });
         }
-        let pad: Vec<usize> = prompts.iter().map(|p| tmax - p.len()).collect();
+        let pad: Vec<usize> = distinct.iter().map(|p| tmax - p.len()).collect();
         let mut ids = Vec::with_capacity(b * tmax);
         let mut positions = Vec::with_capacity(b * tmax);
-        for (p, &pb) in prompts.iter().zip(&pad) {
+        for (p, &pb) in distinct.iter().zip(&pad) {
             ids.extend(std::iter::repeat_n(0u32, pb));
             ids.extend_from_slice(p);
             positions.extend(std::iter::repeat_n(0u32, pb));
@@ -229,9 +246,25 @@ impl<'a> Session<'a> {
             len: 0,
             capacity,
             pad,
+            prefilled: b,
         };
-        let logits = s.forward(&ids, tmax, &positions)?;
+        let mut logits = s.forward(&ids, tmax, &positions)?;
+        if b < prompts.len() {
+            let idx = Tensor::from_vec(row_of.clone(), prompts.len(), &s.device)?;
+            for l in &mut s.layers {
+                l.k = l.k.index_select(&idx, 0)?;
+                l.v = l.v.index_select(&idx, 0)?;
+            }
+            s.pad = row_of.iter().map(|&r| s.pad[r as usize]).collect();
+            logits = logits.index_select(&idx, 0)?;
+        }
         Ok((s, logits))
+    }
+
+    /// Rows the prefill ran through the model: the distinct prompts (repeated prompts
+    /// share the run and get copies of its cache).
+    pub fn prefilled_rows(&self) -> usize {
+        self.prefilled
     }
 
     /// Rows in the batch.

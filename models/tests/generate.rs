@@ -144,6 +144,40 @@ fn kv_cache_logits_equal_full_recompute() {
     }
 }
 
+/// A prompt given several times (a GRPO group) is prefilled once: the session runs the
+/// distinct prompts, and every row, copies included, then decodes its own tokens with
+/// logits equal to a full recompute of its sequence (the bound above).
+#[test]
+fn repeated_prompts_are_prefilled_once() {
+    let m = model_of(&config(false), 4);
+    let (a, b) = (vec![5, 9, 2, 17], vec![1, 2, 3]);
+    let prompts = vec![a.clone(), b.clone(), a.clone(), a.clone(), b];
+    let (mut session, logits) = Session::prefill(&m, &prompts, 6).unwrap();
+    assert_eq!(session.prefilled_rows(), 2);
+    assert_eq!(session.rows(), 5);
+    assert_logits_close(
+        &logits,
+        &last_token_logits(&m, &prompts).unwrap(),
+        "prefill",
+    );
+    let mut seqs = prompts.clone();
+    for step in 0..5u32 {
+        // Every row its own token: the copies part after the first step.
+        let toks: Vec<u32> = (0..seqs.len() as u32)
+            .map(|i| (11 * step + 5 * i + 2) % 61)
+            .collect();
+        for (s, &t) in seqs.iter_mut().zip(&toks) {
+            s.push(t);
+        }
+        let cached = session.step(&toks).unwrap();
+        let full = last_token_logits(&m, &seqs).unwrap();
+        assert_logits_close(&cached, &full, &format!("step {step}"));
+    }
+    let distinct = vec![vec![3u32], vec![4], vec![3, 4]];
+    let (s, _) = Session::prefill(&m, &distinct, 2).unwrap();
+    assert_eq!(s.prefilled_rows(), 3);
+}
+
 #[test]
 fn recorded_logprobs_equal_the_training_forward() {
     // The training forward at the sampling temperature (1 when greedy), as a GRPO trainer
