@@ -230,10 +230,26 @@ fn bench_with_shared_prefixes() {
         (ratio - expect).abs() <= 1e-12 * expect,
         "{ratio} vs {expect}"
     );
+    // Every policy on shared microbatches; not the two unshared rows.
     assert_eq!(
         acc["cpu_ratios_to_unshared_gc"].as_array().unwrap().len(),
-        policies.len() - 1
+        policies.len() - 2
     );
+    let compress = |name: &str| {
+        let p = policies.iter().find(|p| p["policy"] == name).unwrap();
+        assert_eq!(p["peak_matches_prediction"], true, "{name}");
+        p["grad_rel_l2"].as_f64().unwrap()
+    };
+    let (shared, unshared) = (
+        compress("compress-all (fp8)"),
+        compress("compress-all (fp8), unshared"),
+    );
+    if unshared > 0.0 {
+        let r = acc["compress_all_error_shared_over_unshared"]
+            .as_f64()
+            .unwrap();
+        assert!((r - shared / unshared).abs() <= 1e-12 * r, "{r}");
+    }
     let (_, _, stderr) = hilore(&tiny_bench(
         &dir,
         &["--rows", "512", "--prompts", "2", "--shape", "long-prompt"],

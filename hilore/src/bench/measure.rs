@@ -222,18 +222,22 @@ pub(super) struct Exact {
     pub(super) step: Vec<f32>,
 }
 
-/// Full recompute on the measured step's draw packed without shared prefixes, when the
-/// policies run shared-prefix microbatches: measured interleaved with them, it is the
-/// reference of the shared layout's speed-up (`hilore bench --shared-prefix`).
+/// The measured step's draw packed without shared prefixes, when the policies run
+/// shared-prefix microbatches (`hilore bench --shared-prefix`), and the policies run on
+/// it interleaved with them: full recompute, the reference of the shared layout's
+/// speed-up, and compress-all, whose step error set against compress-all's on the shared
+/// microbatches measures what holding a prompt once does to the error a codec causes.
 pub(super) struct UnsharedReference<'a> {
     pub(super) mbs: &'a [Microbatch],
-    pub(super) planned: Planned,
+    /// Row name and plans.
+    pub(super) arms: Vec<(&'static str, Planned)>,
 }
 
-/// The name of [`UnsharedReference`]'s row.
+/// The rows of [`UnsharedReference`]'s policies.
 pub(super) const UNSHARED_GC: &str = "full-recompute, unshared";
+pub(super) const UNSHARED_COMPRESS_ALL: &str = "compress-all (fp8), unshared";
 
-/// Measures `policies` on `mbs` (and `reference` on its own microbatches), `reps` times,
+/// Measures `policies` on `mbs` (and `reference`'s on its microbatches), `reps` times,
 /// interleaved per microbatch index. Every row's throughput counts the rows of `mbs`
 /// (with shared prefixes, the rows its sequences have unshared), so that throughputs
 /// compare as the inverse step times of the same sequences.
@@ -249,7 +253,7 @@ pub(super) fn measure(
     bar: &ProgressBar,
     events_of: &mut Vec<(String, Vec<MemoryEvent>)>,
 ) -> anyhow::Result<Vec<PolicyRow>> {
-    // Arm i: its name, plans, microbatches and budget; the reference, if any, last.
+    // Arm i: its name, plans, microbatches and budget; the reference's last.
     struct ArmOf<'a> {
         name: &'a str,
         planned: &'a Planned,
@@ -271,14 +275,16 @@ pub(super) fn measure(
         })
         .collect();
     if let Some(r) = reference {
-        arms.push(ArmOf {
-            name: UNSHARED_GC,
-            planned: &r.planned,
-            mbs: r.mbs,
-            budget: None,
-            factor: None,
-            main_layout: false,
-        });
+        for (name, planned) in &r.arms {
+            arms.push(ArmOf {
+                name,
+                planned,
+                mbs: r.mbs,
+                budget: None,
+                factor: None,
+                main_layout: false,
+            });
+        }
     }
     let n = arms.len();
     let longest = arms.iter().map(|a| a.mbs.len()).max().unwrap_or(0);

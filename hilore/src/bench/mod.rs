@@ -20,7 +20,7 @@ use crate::common::progress_bar;
 pub use args::BenchArgs;
 use measure::{
     calibrate_step_norm_and_validate, load_average, measure, set_ratios, BenchWorkload, PolicyRow,
-    UnsharedReference,
+    UnsharedReference, UNSHARED_COMPRESS_ALL, UNSHARED_GC,
 };
 use plots::write_plots;
 use policies::{Ctx, Kind, PlannedPolicy};
@@ -269,19 +269,26 @@ pub fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
         };
     let policies = plan_all(budget_bytes, args.target_rel_l2, &Kind::ALL)?;
     let reference = match (&unshared_allocator, &unshared_mbs) {
-        (Some(a), Some(u)) => Some(UnsharedReference {
-            mbs: u,
-            planned: Ctx {
+        (Some(a), Some(u)) => {
+            let ctx = Ctx {
                 alloc: a,
                 mbs: u,
                 codecs: codecs.clone(),
-            }
-            .plan(Kind::Gc, budget_bytes, args.target_rel_l2)?,
-        }),
+            };
+            let plan = |k: Kind| ctx.plan(k, budget_bytes, args.target_rel_l2);
+            Some(UnsharedReference {
+                mbs: u,
+                arms: vec![
+                    (UNSHARED_GC, plan(Kind::Gc)?),
+                    (UNSHARED_COMPRESS_ALL, plan(Kind::CompressAll)?),
+                ],
+            })
+        }
         _ => None,
     };
-    let passes =
-        (policies.len() * mbs.len() + reference.as_ref().map_or(0, |r| r.mbs.len())) * args.reps;
+    let passes = (policies.len() * mbs.len()
+        + reference.as_ref().map_or(0, |r| r.arms.len() * r.mbs.len()))
+        * args.reps;
     let main_bar = bar(passes, "policies");
     let mut exact = None;
     let mut events = Vec::new();

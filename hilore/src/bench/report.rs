@@ -1,6 +1,6 @@
 //! The report: what `--json` writes and the table printed.
 
-use super::measure::{median, PolicyRow, RiskValidation, UNSHARED_GC};
+use super::measure::{median, PolicyRow, RiskValidation, UNSHARED_COMPRESS_ALL, UNSHARED_GC};
 use super::policies::Kind;
 use crate::common::human_bytes;
 use hilore_models::DecoderConfig;
@@ -109,6 +109,10 @@ pub(super) struct Acceptance {
     pub(super) hilore_shared_cpu_ratio_to_unshared_gc: Option<f64>,
     /// The same for every policy on shared microbatches, by CPU time.
     pub(super) cpu_ratios_to_unshared_gc: Vec<(String, f64)>,
+    /// Compress-all's measured step error (relative L2) on the shared microbatches over
+    /// the same on the unshared ones: what holding a prompt once does to a codec's error
+    /// (the exposure model counts the same coefficients in both layouts, so it predicts 1).
+    pub(super) compress_all_error_shared_over_unshared: Option<f64>,
 }
 
 impl Additivity {
@@ -225,9 +229,18 @@ impl Acceptance {
             }
             acc.cpu_ratios_to_unshared_gc = rows
                 .iter()
-                .filter(|r| r.policy != UNSHARED_GC)
+                .filter(|r| Kind::of_name(&r.policy).is_some())
                 .map(|r| (r.policy.clone(), r.tokens_per_cpu_s / u.tokens_per_cpu_s))
                 .collect();
+        }
+        let rel = |name: &str| {
+            rows.iter()
+                .find(|r| r.policy == name)
+                .map(|r| r.grad_rel_l2)
+        };
+        if let (Some(s), Some(u)) = (rel(Kind::CompressAll.name()), rel(UNSHARED_COMPRESS_ALL)) {
+            // None where the draw has no exposure (both errors 0).
+            acc.compress_all_error_shared_over_unshared = (u > 0.0).then(|| s / u);
         }
         let budgeted = || all.clone().filter(|r| r.budget_bytes.is_some());
         acc.every_budgeted_peak_within_budget = budgeted().all(|r| r.fits_budget == Some(true));
@@ -360,6 +373,9 @@ pub(super) fn print_report(r: &Report) {
                 .collect::<Vec<_>>()
                 .join(", ")
         );
+        if let Some(e) = a.compress_all_error_shared_over_unshared {
+            println!("compress-all's gradient error with shared prefixes / without: {e:.3}");
+        }
     }
     println!(
         "risk additivity: measured/predicted median {:.3}, max {:.3}, log-correlation {:.3} over {} microbatch runs",
