@@ -4,8 +4,9 @@
 //!
 //! Host `f32` tensors take the tiled CPU kernel ([`super::cpu::attention`]: `BQ x BK`
 //! tiles, never a `T x T` buffer); other tensors (a GPU's, other dtypes) take the candle
-//! path below, which works one sequence at a time with `T x T` transients. Both save the
-//! same tensors.
+//! path below, which works one sequence at a time with `T x (P + T)` transients (`P` the
+//! shared prefix a continuation reads, 0 otherwise). Both save the same tensors and sum a
+//! shared prefix's `dK`, `dV` in the same order.
 
 use super::util::{any_grad, causal_mask, grad_if, mm, write_at};
 use super::{cpu, Op, Saved};
@@ -39,15 +40,66 @@ impl Dims {
     }
 }
 
-/// Masked, scaled scores `[Hq, T, T]` of one sequence from its scaled queries
-/// `qs: [Hq, T, D]` and keys `k: [Hkv, T, D]`. Query head `h` reads kv head `h / G`: with the
-/// heads laid out `h = kv * G + g`, `qs` viewed as `[Hkv, G * T, D]` multiplies each kv
-/// head's keys once, without copying the keys `G` times.
+/// Masked, scaled scores `[Hq, T, P + T]` of one sequence's `T` queries from its scaled
+/// queries `qs: [Hq, T, D]` and the keys it reads, `k: [Hkv, P + T, D]`: its shared
+/// prefix's `P` (0 for a sequence of its own) then its own. Query `i` sits at position
+/// `P + i`, so its mask is row `P + i` of the concatenation's. Query head `h` reads kv
+/// head `h / G`: with the heads laid out `h = kv * G + g`, `qs` viewed as
+/// `[Hkv, G * T, D]` multiplies each kv head's keys once, without copying the keys `G`
+/// times.
 fn scores(qs: &Tensor, k: &Tensor, mask: &Tensor, dims: Dims) -> Result<Tensor> {
-    let t = k.dim(1)?;
+    let (t, tk) = (qs.dim(1)?, k.dim(1)?);
     let q3 = qs.reshape((dims.hkv, dims.group() * t, dims.d))?;
-    let s = mm(&q3, &k.t()?)?.reshape((dims.hq, t, t))?;
-    Ok(s.broadcast_add(&mask.narrow(0, 0, t)?.narrow(1, 0, t)?)?)
+    let s = mm(&q3, &k.t()?)?.reshape((dims.hq, t, tk))?;
+    Ok(s.broadcast_add(&mask.narrow(0, tk - t, t)?.narrow(1, 0, tk)?)?)
+}
+
+/// One sequence of a packing on candle's path: its rows, and its shared prefix's rows
+/// (`0..0` for a sequence of its own), whose keys and values it reads first.
+struct Span {
+    start: usize,
+    len: usize,
+    prefix: std::ops::Range<usize>,
+}
+
+fn spans(packing: &Packing) -> Vec<Span> {
+    let offsets = packing.offsets();
+    (0..packing.num_sequences())
+        .map(|i| Span {
+            start: offsets[i],
+            len: offsets[i + 1] - offsets[i],
+            prefix: packing
+                .prefix_of(i)
+                .map_or(0..0, |j| offsets[j]..offsets[j + 1]),
+        })
+        .collect()
+}
+
+impl Span {
+    /// Head-major keys (or values) `[H, P + T, D]` the span reads: its prefix's, then its own.
+    fn keys(&self, t: &Tensor) -> Result<Tensor> {
+        let own = heads(t, self.start, self.len, 1.0)?;
+        if self.prefix.is_empty() {
+            return Ok(own);
+        }
+        let pre = heads(t, self.prefix.start, self.prefix.len(), 1.0)?;
+        Ok(Tensor::cat(&[&pre, &own], 1)?)
+    }
+
+    /// Writes a key-side gradient `x: [H, P + T, D]` into `dst: [N, H, D]`: the span's own
+    /// rows written, the prefix's added to what the prefix's own span (earlier in the
+    /// packing) and its earlier continuations left there, in span order.
+    fn write_keys(&self, dst: &Tensor, x: &Tensor) -> Result<()> {
+        let p = self.prefix.len();
+        let own = x.narrow(1, p, self.len)?.transpose(0, 1)?;
+        write_at(dst, &own, 0, self.start)?;
+        if p > 0 {
+            let pre = x.narrow(1, 0, p)?.transpose(0, 1)?;
+            let sum = (dst.narrow(0, self.prefix.start, p)? + pre)?;
+            write_at(dst, &sum, 0, self.prefix.start)?;
+        }
+        Ok(())
+    }
 }
 
 /// The additive mask `[t, t]` of `dtype` for causal attention, optionally restricted to a
@@ -74,17 +126,6 @@ fn attention_mask(
     Ok(Tensor::from_vec(m, (t, t), dev)?.to_dtype(dtype)?)
 }
 
-/// Shared prefixes are attended on the CPU kernel only (host `f32`); candle's path works
-/// one whole sequence at a time.
-fn shared_prefixes_on_host(packing: &Packing) -> Result<()> {
-    if packing.has_shared_prefixes() {
-        return Err(Error::Tape(
-            "attention: a packing with shared prefixes runs on host f32 tensors only (the CPU kernel); on another device or dtype, pack each response with its own copy of the prompt (Packing::new)".into(),
-        ));
-    }
-    Ok(())
-}
-
 /// The forward on candle's ops (GPU tensors, other dtypes): `(o, lse)`.
 fn attention_candle(
     q: &Var,
@@ -95,21 +136,24 @@ fn attention_candle(
     window: Option<usize>,
     dims: Dims,
 ) -> Result<(Tensor, Tensor)> {
-    shared_prefixes_on_host(packing)?;
     let Dims { hq, hkv, d } = dims;
     let gs = dims.group();
     let n = q.dim(0)?;
     let (dt, dev) = (q.dtype(), q.device());
-    let offsets = packing.offsets();
     let out = Tensor::zeros((n, hq, d), dt, dev)?;
     let lse = Tensor::zeros((hq, n), dt, dev)?;
-    let tmax = packing.lengths().into_iter().max().unwrap_or(0);
+    let spans = spans(packing);
+    let tmax = spans
+        .iter()
+        .map(|s| s.prefix.len() + s.len)
+        .max()
+        .unwrap_or(0);
     let mask = attention_mask(tmax, window, dt, dev)?;
-    for w in offsets.windows(2) {
-        let (start, t) = (w[0], w[1] - w[0]);
+    for sp in &spans {
+        let (start, t, tk) = (sp.start, sp.len, sp.prefix.len() + sp.len);
         let qs = heads(&q.tensor, start, t, scale)?;
-        let kh = heads(&k.tensor, start, t, 1.0)?;
-        let vh = heads(&v.tensor, start, t, 1.0)?;
+        let kh = sp.keys(&k.tensor)?;
+        let vh = sp.keys(&v.tensor)?;
         let s = scores(&qs, &kh, &mask, dims)?;
         drop((qs, kh));
         // Stable softmax: the diagonal is never masked, so every row max is finite.
@@ -117,7 +161,7 @@ fn attention_candle(
         let e = s.broadcast_sub(&m)?.exp()?;
         drop(s);
         let l = e.sum_keepdim(2)?;
-        let p = e.broadcast_div(&l)?.reshape((hkv, gs * t, t))?;
+        let p = e.broadcast_div(&l)?.reshape((hkv, gs * t, tk))?;
         drop(e);
         let o = mm(&p, &vh)?.reshape((hq, t, d))?;
         write_at(&out, &o.transpose(0, 1)?, 0, start)?;
@@ -168,30 +212,35 @@ impl Op for Attention {
             alloc(hkv, need[1])?,
             alloc(hkv, need[2])?,
         );
-        shared_prefixes_on_host(&self.packing)?;
-        let offsets = self.packing.offsets();
-        let tmax = self.packing.lengths().into_iter().max().unwrap_or(0);
+        // Span by span in packing order: a prefix's own span writes its rows' dK and dV
+        // first, each of its continuations then adds its share (the CPU kernel's order).
+        let spans = spans(&self.packing);
+        let tmax = spans
+            .iter()
+            .map(|s| s.prefix.len() + s.len)
+            .max()
+            .unwrap_or(0);
         let mask = attention_mask(tmax, self.window, dt, dev)?;
-        for w in offsets.windows(2) {
-            let (start, t) = (w[0], w[1] - w[0]);
+        for sp in &spans {
+            let (start, t, tk) = (sp.start, sp.len, sp.prefix.len() + sp.len);
             let qs = heads(q, start, t, self.scale)?;
-            let kh = heads(k, start, t, 1.0)?;
+            let kh = sp.keys(k)?;
             let do3 = heads(g, start, t, 1.0)?.reshape((hkv, gs * t, d))?;
             // P = exp(S - lse), exactly the forward's probabilities (masked entries: 0).
             let lse_s = lse.narrow(1, start, t)?.unsqueeze(2)?;
             let p = scores(&qs, &kh, &mask, self.dims)?
                 .broadcast_sub(&lse_s)?
                 .exp()?
-                .reshape((hkv, gs * t, t))?;
+                .reshape((hkv, gs * t, tk))?;
             if let Some(dv) = &dv {
                 // dV = P^T dO, summed over each kv head's query group by the product itself.
                 let x = mm(&p.t()?, &do3)?;
-                write_at(dv, &x.transpose(0, 1)?, 0, start)?;
+                sp.write_keys(dv, &x)?;
             }
             if need_ds {
                 // dS = P * (dO V^T - rowsum(dO * O)).
                 let (v, o) = (&s[3], &s[4]);
-                let vh = heads(v, start, t, 1.0)?;
+                let vh = sp.keys(v)?;
                 let oh = heads(o, start, t, 1.0)?.reshape((hkv, gs * t, d))?;
                 let dvec = (&do3 * &oh)?.sum_keepdim(2)?;
                 drop(oh);
@@ -206,7 +255,7 @@ impl Op for Attention {
                     // dK = dS^T (Q * scale), summed over the group.
                     let q3 = qs.reshape((hkv, gs * t, d))?;
                     let x = mm(&ds.t()?, &q3)?;
-                    write_at(dk, &x.transpose(0, 1)?, 0, start)?;
+                    sp.write_keys(dk, &x)?;
                 }
             }
         }
