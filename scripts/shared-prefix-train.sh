@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The shared-prefix actor update against the unshared one in `hilore train`: for
-# --policy recompute (full recompute) and --policy hilore, runs with and without
-# --shared-prefix alternate (A B A B ...), REPS times each, 10 GRPO steps, seed 3. Prints
+# --policy recompute (full recompute) and --policy hilore, runs with --shared-prefix (the
+# default) and --no-shared-prefix alternate (A B A B ...), REPS times each, 10 GRPO steps, seed 3. Prints
 # each arm's actor-update seconds over steps 3-10 (the first steps calibrate or warm up),
 # their median, the whole process's wall and CPU seconds, and the held-out accuracy.
 #
@@ -12,7 +12,7 @@ mkdir -p "$dir"; cd "$dir"
 for rep in $(seq "$reps"); do
   for pol in recompute hilore; do
     for v in plain shared; do
-      flag=(); [ "$v" = shared ] && flag=(--shared-prefix)
+      flag=(--no-shared-prefix); [ "$v" = shared ] && flag=(--shared-prefix)
       /usr/bin/time -f "%e %U %S" -o "t-$pol-$v-$rep.txt" "$bin" train --policy "$pol" \
         --seed 3 --steps 10 --no-progress --force "${flag[@]}" --metrics "m-$pol-$v-$rep.jsonl" \
         --summary "s-$pol-$v-$rep.json" --checkpoint c.ckpt > /dev/null 2>&1

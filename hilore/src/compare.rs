@@ -12,6 +12,11 @@
 //! table: one least-squares slope per seed of the paired difference on log10(target),
 //! summarised over seeds (a real effect grows with the target; trajectory noise does not).
 //!
+//! Every run is unshared (`--no-shared-prefix`, a copy of the prompt per response) unless
+//! its arm says `+shared`, so the reference is unshared GC and reports made before shared
+//! prefixes were training's default merge with new runs; `--shared-prefix` or
+//! `--no-shared-prefix` after `--` sets the layout of every run instead.
+//!
 //! The runs use [`DEFAULT_TRAIN_ARGS`] for every flag the arguments after `--` do not
 //! set: a decoder large enough (2 layers, hidden 192, MLP 512, 0.8 M parameters) that
 //! recomputing a unit costs more than encoding and decoding its activations, microbatches
@@ -423,11 +428,25 @@ fn run_argv(seed: u64, arm: &Arm, dir: &Path, train_args: &[String]) -> Vec<Stri
     if let Some(t) = arm.target_rel_l2 {
         v.extend(["--target-rel-l2".into(), format!("{t:e}")]);
     }
-    if arm.shared_prefix {
-        v.push("--shared-prefix".into());
+    // Each run states its layout (unless the arguments after `--` set one for all): an arm
+    // is unshared unless `+shared`, as every run before shared prefixes became training's
+    // default, so that earlier reports merge.
+    if !layout_given(train_args) {
+        v.push(if arm.shared_prefix {
+            "--shared-prefix".into()
+        } else {
+            "--no-shared-prefix".into()
+        });
     }
     v.extend(train_args.iter().cloned());
     v
+}
+
+/// Whether `train_args` choose the actor update's layout for every run.
+fn layout_given(train_args: &[String]) -> bool {
+    train_args
+        .iter()
+        .any(|a| a == "--shared-prefix" || a == "--no-shared-prefix")
 }
 
 /// One training in this process, on a pool of `threads`, and its summary.
@@ -762,12 +781,12 @@ pub fn run(args: CompareArgs) -> anyhow::Result<ExitCode> {
             );
         }
     }
-    let shared_for_all = args.train_args.iter().any(|a| a == "--shared-prefix");
+    let layout_for_all = layout_given(&args.train_args);
     let mut arms: Vec<Arm> = Vec::new();
     for s in &args.arms {
         let a = Arm::parse(s)?;
-        if a.shared_prefix && shared_for_all {
-            bail!("--arms `{s}`: `--shared-prefix` after `--` already holds every run's prompts once per microbatch, the reference's too; drop one of them (`{SHARED}` arms are paired with an unshared reference)");
+        if a.shared_prefix && layout_for_all {
+            bail!("--arms `{s}`: `--shared-prefix` or `--no-shared-prefix` after `--` sets every run's layout, the reference's too; drop one of them (`{SHARED}` arms are paired with an unshared reference)");
         }
         if !arms.contains(&a) {
             arms.push(a);

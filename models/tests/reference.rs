@@ -4,11 +4,11 @@
 
 mod support;
 
-use candle_core::{DType, Device, Tensor};
+use candle_core::{DType, Device};
 use hilore_models::reference::CandleDecoder;
 use hilore_models::{plans, rng, Decoder, DecoderConfig, TokenBatch};
 use hilore_runtime::{Cx, Grads};
-use support::{bits, max_abs};
+use support::{bits, max_abs, rel_l2};
 
 /// Relative L2 bound per parameter gradient, `||g_tape - g_candle|| / ||g_candle||`.
 ///
@@ -44,19 +44,6 @@ fn config(tied: bool, bias: bool) -> DecoderConfig {
         model_type: Some(if bias { "qwen2" } else { "llama" }.into()),
         ..DecoderConfig::tiny()
     }
-}
-
-fn rel_l2(a: &Tensor, b: &Tensor) -> f64 {
-    let a: Vec<f32> = a.flatten_all().unwrap().to_vec1().unwrap();
-    let b: Vec<f32> = b.flatten_all().unwrap().to_vec1().unwrap();
-    assert_eq!(a.len(), b.len());
-    let (mut num, mut den) = (0f64, 0f64);
-    for (x, y) in a.iter().zip(&b) {
-        num += (*x as f64 - *y as f64).powi(2);
-        den += (*y as f64).powi(2);
-    }
-    assert!(den > 0.0, "reference gradient is exactly zero");
-    (num / den).sqrt()
 }
 
 /// Returns (logp max abs diff, worst per-tensor gradient rel L2, its name).

@@ -11,7 +11,7 @@ mod support;
 use candle_core::{DType, Device, Tensor};
 use hilore_models::{plans, rng, zoo, Decoder, DecoderConfig, PromptGroup, TokenBatch};
 use hilore_runtime::{Cx, Grads, Plan};
-use support::{bits, max_abs};
+use support::{bits, max_abs, rel_l2};
 
 /// Relative L2 bound per parameter gradient. Both sides compute the same function in f32
 /// in another order (attention over the prompt's key tiles and then the response's instead
@@ -71,18 +71,6 @@ fn concatenations(groups: &[PromptGroup]) -> (Vec<Vec<u32>>, Vec<usize>) {
         }
     }
     (seqs, index)
-}
-
-fn rel_l2(a: &Tensor, b: &Tensor) -> f64 {
-    let a: Vec<f32> = a.flatten_all().unwrap().to_vec1().unwrap();
-    let b: Vec<f32> = b.flatten_all().unwrap().to_vec1().unwrap();
-    let (mut num, mut den) = (0f64, 0f64);
-    for (x, y) in a.iter().zip(&b) {
-        num += (*x as f64 - *y as f64).powi(2);
-        den += (*y as f64).powi(2);
-    }
-    assert!(den > 0.0, "reference gradient is exactly zero");
-    (num / den).sqrt()
 }
 
 fn grads_of(model: &Decoder, plan: Plan, batch: &TokenBatch, coeffs: &Tensor) -> (Tensor, Grads) {

@@ -14,7 +14,7 @@ use hilore_models::reference::CandleDecoder;
 use hilore_models::{Decoder, DecoderConfig, TokenBatch};
 use hilore_runtime::{opaque_unit, Cx, Fidelity, Grads, OpaqueUnit, Plan, Result, Var};
 use std::collections::HashMap;
-use support::bits;
+use support::{bits, rel_l2};
 
 opaque_unit!(static ZOO_MLP = "zoo_mlp", deterministic);
 
@@ -96,18 +96,6 @@ fn forward<'m, M: Module>(
         x = mlp.forward(cx, &x)?;
     }
     model.head(cx, &x, &targets)
-}
-
-fn rel_l2(a: &Tensor, b: &Tensor) -> f64 {
-    let a: Vec<f32> = a.flatten_all().unwrap().to_vec1().unwrap();
-    let b: Vec<f32> = b.flatten_all().unwrap().to_vec1().unwrap();
-    let (mut num, mut den) = (0f64, 0f64);
-    for (x, y) in a.iter().zip(&b) {
-        num += (*x as f64 - *y as f64).powi(2);
-        den += (*y as f64).powi(2);
-    }
-    assert!(den > 0.0);
-    (num / den).sqrt()
 }
 
 #[test]

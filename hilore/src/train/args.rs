@@ -253,13 +253,22 @@ pub struct TrainArgs {
     /// beta 0: exactly zero gradient); they are counted separately in the log.
     #[arg(long, help_heading = "Actor update")]
     pub(super) skip_zero_exposure: bool,
-    /// Shared prefixes: a microbatch holds each prompt once with the responses of it that
-    /// it packs (they attend to the prompt's rows, the first response token is read from
-    /// the prompt's last row), instead of a copy of the prompt per response. The same
-    /// gradient up to float rounding from fewer rows; a prompt whose responses do not fit
-    /// one microbatch is held again in the next.
-    #[arg(long, help_heading = "Actor update")]
+    /// Shared prefixes, on by default: a microbatch holds each prompt once with the
+    /// responses of it that it packs (they attend to the prompt's rows, the first response
+    /// token is read from the prompt's last row), instead of a copy of the prompt per
+    /// response. The same gradient up to float rounding from fewer rows; a prompt whose
+    /// responses do not fit one microbatch is held again in the next.
+    #[arg(
+        long,
+        overrides_with = "no_shared_prefix",
+        help_heading = "Actor update"
+    )]
     pub(super) shared_prefix: bool,
+    /// Pack a copy of the prompt with every response instead of shared prefixes (the layout
+    /// runs had before shared prefixes were the default; resuming their checkpoints needs
+    /// it).
+    #[arg(long, overrides_with = "shared_prefix", help_heading = "Actor update")]
+    pub(super) no_shared_prefix: bool,
 
     // ----- run
     #[arg(long, default_value_t = 0, help_heading = "Run")]

@@ -58,7 +58,7 @@ pub trait ActorModel {
         _groups: &[hilore_models::PromptGroup],
     ) -> anyhow::Result<hilore_models::TokenBatch> {
         anyhow::bail!(
-            "this model does not pack shared prefixes: implement ActorModel::shared_batch (TokenBatch::from_shared_prefixes or pack_shared_prefixes, and read batch.logprob_rows in token_logprobs), or train without --shared-prefix"
+            "this model does not pack shared prefixes: implement ActorModel::shared_batch (TokenBatch::from_shared_prefixes or pack_shared_prefixes, and read batch.logprob_rows in token_logprobs), or train with --no-shared-prefix"
         )
     }
 

@@ -152,8 +152,18 @@ impl Run {
         let mut diffs = Vec::new();
         json_diff(&ck.run, &now, "", &mut diffs);
         if !diffs.is_empty() {
+            // Shared prefixes became the default: an older checkpoint was written without.
+            let layout = if diffs.iter().any(|d| d.starts_with("shared_prefix")) {
+                if settings.shared_prefix {
+                    " (it packed a copy of the prompt per response: resume with --no-shared-prefix)"
+                } else {
+                    " (it held each prompt once per microbatch: resume without --no-shared-prefix)"
+                }
+            } else {
+                ""
+            };
             bail!(
-                "cannot resume from {}: it was written with other settings ({}); pass the same flags as the run that wrote it",
+                "cannot resume from {}: it was written with other settings ({}){layout}; pass the same flags as the run that wrote it",
                 path.display(),
                 diffs.join("; ")
             );

@@ -58,7 +58,8 @@ pub(super) struct RunSettings {
     pub(super) target_rel_l2: Option<f64>,
     pub(super) token_budget: usize,
     pub(super) skip_zero_exposure: bool,
-    /// `--shared-prefix` (absent when off, as in checkpoints written before it existed).
+    /// Shared prefixes (the default; `--no-shared-prefix` turns them off): absent when
+    /// off, as in checkpoints written before they existed.
     #[serde(default, skip_serializing_if = "is_false")]
     pub(super) shared_prefix: bool,
     pub(super) seed: u64,
@@ -366,7 +367,8 @@ impl RunSettings {
                 .filter(|t| t.to_bits() != DEFAULT_TARGET_REL_L2.to_bits()),
             token_budget: a.token_budget,
             skip_zero_exposure: a.skip_zero_exposure,
-            shared_prefix: a.shared_prefix,
+            // On unless --no-shared-prefix (--shared-prefix says so explicitly).
+            shared_prefix: !a.no_shared_prefix,
             seed: a.seed,
         })
     }

@@ -127,6 +127,18 @@ impl FidelityCounts {
     }
 }
 
+/// `pad` rows of padding as pieces of at most the longest member's rows (`member_rows`):
+/// each piece then fits the model's positions as that member does (one piece of `pad`
+/// could exceed them, a quantum being larger than a model's context).
+fn pad_pieces(pad: usize, member_rows: impl Iterator<Item = usize>) -> Vec<usize> {
+    let most = member_rows.max().unwrap_or(pad).max(1);
+    let mut out = vec![most; pad / most];
+    if pad % most > 0 {
+        out.push(pad % most);
+    }
+    out
+}
+
 /// One microbatch: its sequences packed, and where each sequence's target rows are.
 pub(crate) struct Micro {
     pub batch: TokenBatch,
@@ -155,7 +167,7 @@ impl Micro {
         Ok(Micro { batch, targets })
     }
 
-    /// [`Micro::new`], padded with one untrained sequence to a multiple of `quantum` rows
+    /// [`Micro::new`], padded with untrained sequences to a multiple of `quantum` rows
     /// (its rows get coefficient 0, so the gradient is unchanged).
     pub fn padded<M: ActorModel>(
         model: &M,
@@ -170,7 +182,9 @@ impl Micro {
             return Self::new(model, seqs, prompt_lens, members);
         }
         let mut picked: Vec<Vec<u32>> = members.iter().map(|&i| seqs[i].clone()).collect();
-        picked.push(vec![0; pad + 1]);
+        for rows in pad_pieces(pad, members.iter().map(|&i| seqs[i].len() - 1)) {
+            picked.push(vec![0; rows + 1]);
+        }
         let batch = model.batch(&picked)?;
         let mut targets = Vec::with_capacity(members.len());
         let mut row = 0;
@@ -183,8 +197,8 @@ impl Micro {
 
     /// Packs `seqs[i]` for `i` in `members` with shared prefixes: consecutive members with
     /// the same prompt make one [`PromptGroup`] (the prompt's rows once, each response
-    /// continuing it), trained on each response's tokens; with `quantum`, padded by an
-    /// untrained group to a multiple of `quantum` rows. A prompt whose responses the
+    /// continuing it), trained on each response's tokens; with `quantum`, padded by
+    /// untrained groups to a multiple of `quantum` rows. A prompt whose responses the
     /// packer spread over several microbatches is held once in each of them.
     pub fn shared<M: ActorModel>(
         model: &M,
@@ -222,9 +236,12 @@ impl Micro {
         }
         if let Some(q) = quantum {
             let pad = rows.div_ceil(q) * q - rows;
-            if pad > 0 {
+            // A group of a `c`-token prompt and a 1-token response has `c` rows and reads
+            // positions up to `c - 1`.
+            let longest = members.iter().map(|&i| seqs[i].len() - 1);
+            for c in pad_pieces(pad, longest) {
                 groups.push(PromptGroup {
-                    prompt: vec![0; pad],
+                    prompt: vec![0; c],
                     responses: vec![vec![0]],
                 });
             }
@@ -784,6 +801,18 @@ pub fn actor_update<M: ActorModel>(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Padding comes in pieces no longer than the longest member, so it fits the model's
+    /// positions whenever the members do (in one piece, the zoo test's model of 64
+    /// positions got a padding prompt of 93 rows).
+    #[test]
+    fn padding_pieces_fit_the_longest_member() {
+        assert_eq!(pad_pieces(93, [40, 20].into_iter()), [40, 40, 13]);
+        assert_eq!(pad_pieces(80, [40].into_iter()), [40, 40]);
+        assert_eq!(pad_pieces(7, [40].into_iter()), [7]);
+        assert!(pad_pieces(0, [40].into_iter()).is_empty());
+        assert_eq!(pad_pieces(3, std::iter::empty()), [3]);
+    }
     use candle_core::Device;
     use hilore_models::{Decoder, DecoderConfig};
     use hilore_runtime::grpo::advantages as group_advantages;

@@ -32,3 +32,18 @@ pub fn max_magnitude(t: &Tensor) -> f64 {
 pub fn max_abs(a: &Tensor, b: &Tensor) -> f64 {
     max_magnitude(&(a - b).unwrap())
 }
+
+/// Relative L2 distance `||a - b|| / ||b||` of two f32 tensors of the same size, in f64;
+/// `b` (the reference) must not be all zeros.
+pub fn rel_l2(a: &Tensor, b: &Tensor) -> f64 {
+    let a: Vec<f32> = a.flatten_all().unwrap().to_vec1().unwrap();
+    let b: Vec<f32> = b.flatten_all().unwrap().to_vec1().unwrap();
+    assert_eq!(a.len(), b.len());
+    let (mut num, mut den) = (0f64, 0f64);
+    for (x, y) in a.iter().zip(&b) {
+        num += (*x as f64 - *y as f64).powi(2);
+        den += (*y as f64).powi(2);
+    }
+    assert!(den > 0.0, "reference gradient is exactly zero");
+    (num / den).sqrt()
+}
