@@ -579,6 +579,14 @@ fn bad_input_is_a_clear_error() {
     run_ok(&tiny(&dir, &["--steps", "1"]));
     let e = err_of(&["--steps", "2", "--resume", "--group-size", "2"]);
     assert!(e.contains("group_size: checkpoint 4, now 2"), "{e}");
+    // A run without shared prefixes (as every run before they were the default) resumes
+    // with --no-shared-prefix, and the refusal says so.
+    run_ok(&tiny(
+        &dir,
+        &["--steps", "1", "--no-shared-prefix", "--force"],
+    ));
+    let e = err_of(&["--steps", "2", "--resume"]);
+    assert!(e.contains("resume with --no-shared-prefix"), "{e}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
