@@ -250,12 +250,12 @@ impl<'a> Session<'a> {
         };
         let mut logits = s.forward(&ids, tmax, &positions)?;
         if b < prompts.len() {
-            let idx = Tensor::from_vec(row_of.clone(), prompts.len(), &s.device)?;
+            s.pad = row_of.iter().map(|&r| s.pad[r as usize]).collect();
+            let idx = Tensor::from_vec(row_of, prompts.len(), &s.device)?;
             for l in &mut s.layers {
                 l.k = l.k.index_select(&idx, 0)?;
                 l.v = l.v.index_select(&idx, 0)?;
             }
-            s.pad = row_of.iter().map(|&r| s.pad[r as usize]).collect();
             logits = logits.index_select(&idx, 0)?;
         }
         Ok((s, logits))

@@ -247,88 +247,78 @@ fn pack_shared(
     device: &Device,
 ) -> anyhow::Result<Vec<Microbatch>> {
     let vocab = cfg.vocab_size as u64;
+    /// The microbatch being filled.
+    #[derive(Default)]
+    struct Open {
+        groups: Vec<PromptGroup>,
+        coeffs: Vec<f32>,
+        rows: usize,
+        /// Its sequences' rows unshared, and padding.
+        counted: usize,
+        sequences: usize,
+        zero: usize,
+    }
     let mut out = Vec::new();
-    let mut groups: Vec<PromptGroup> = Vec::new();
-    let mut coeffs: Vec<f32> = Vec::new();
-    let (mut rows, mut counted, mut nseq, mut nzero) = (0usize, 0usize, 0usize, 0usize);
-    let mut last_group: Option<usize> = None;
-    let mut flush = |groups: &mut Vec<PromptGroup>,
-                     coeffs: &mut Vec<f32>,
-                     rows: &mut usize,
-                     counted: &mut usize,
-                     nseq: &mut usize,
-                     nzero: &mut usize|
-     -> anyhow::Result<()> {
-        if *rows < cap {
+    let mut flush = |open: &mut Open| -> anyhow::Result<()> {
+        let mut o = std::mem::take(open);
+        if o.rows < cap {
             // A prompt of `pad` rows with a one-token response: `pad` rows and log-probs.
-            let pad = cap - *rows;
-            groups.push(PromptGroup {
+            let pad = cap - o.rows;
+            o.groups.push(PromptGroup {
                 prompt: (0..pad).map(|_| tok_rng.below(vocab) as u32).collect(),
                 responses: vec![vec![tok_rng.below(vocab) as u32]],
             });
-            coeffs.extend(std::iter::repeat_n(0.0, pad));
-            *counted += pad;
+            o.coeffs.extend(std::iter::repeat_n(0.0, pad));
+            o.counted += pad;
         }
-        let batch = TokenBatch::from_shared_prefixes(groups, cfg, device)?;
-        anyhow::ensure!(batch.num_logprobs() == coeffs.len());
-        let coeff_tensor = Tensor::from_vec(coeffs.clone(), coeffs.len(), device)?;
-        let input = microbatch_input(&batch.packing, coeffs);
+        let batch = TokenBatch::from_shared_prefixes(&o.groups, cfg, device)?;
+        anyhow::ensure!(batch.num_logprobs() == o.coeffs.len());
+        let input = microbatch_input(&batch.packing, &o.coeffs);
+        let n = o.coeffs.len();
+        let coeff_tensor = Tensor::from_vec(o.coeffs, n, device)?;
         out.push(Microbatch {
             batch,
             coeff_tensor,
             input,
-            sequences: *nseq,
-            zero_advantage_sequences: *nzero,
-            rows_counted: *counted,
+            sequences: o.sequences,
+            zero_advantage_sequences: o.zero,
+            rows_counted: o.counted,
         });
-        groups.clear();
-        coeffs.clear();
-        (*rows, *counted, *nseq, *nzero) = (0, 0, 0, 0);
         Ok(())
     };
+    let mut open = Open::default();
+    let mut last_group: Option<usize> = None;
     for s in seqs {
         let full = s.tokens.len() - 1;
         let (prompt, response) = s.tokens.split_at(s.prompt);
-        let mut continues = last_group == Some(s.group) && !groups.is_empty();
+        let mut continues = last_group == Some(s.group) && !open.groups.is_empty();
         let cost = if continues { response.len() - 1 } else { full };
-        if rows + cost > cap {
-            flush(
-                &mut groups,
-                &mut coeffs,
-                &mut rows,
-                &mut counted,
-                &mut nseq,
-                &mut nzero,
-            )?;
+        if open.rows + cost > cap {
+            flush(&mut open)?;
             continues = false;
         }
         if !continues {
-            groups.push(PromptGroup {
+            open.groups.push(PromptGroup {
                 prompt: prompt.to_vec(),
                 responses: Vec::new(),
             });
-            coeffs.extend(std::iter::repeat_n(0.0, prompt.len() - 1));
-            rows += prompt.len();
+            open.coeffs
+                .extend(std::iter::repeat_n(0.0, prompt.len() - 1));
+            open.rows += prompt.len();
         }
-        if let Some(g) = groups.last_mut() {
+        if let Some(g) = open.groups.last_mut() {
             g.responses.push(response.to_vec());
         }
-        coeffs.extend(std::iter::repeat_n(s.coefficient, response.len()));
-        rows += response.len() - 1;
-        counted += full;
-        nseq += 1;
-        nzero += (s.coefficient == 0.0) as usize;
+        open.coeffs
+            .extend(std::iter::repeat_n(s.coefficient, response.len()));
+        open.rows += response.len() - 1;
+        open.counted += full;
+        open.sequences += 1;
+        open.zero += (s.coefficient == 0.0) as usize;
         last_group = Some(s.group);
     }
-    if rows > 0 {
-        flush(
-            &mut groups,
-            &mut coeffs,
-            &mut rows,
-            &mut counted,
-            &mut nseq,
-            &mut nzero,
-        )?;
+    if open.rows > 0 {
+        flush(&mut open)?;
     }
     Ok(out)
 }

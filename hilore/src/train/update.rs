@@ -62,8 +62,8 @@ pub struct UpdateReport {
     /// the coefficients are known then: the rollout's first optimizer step, no KL); the
     /// others ran under the fallback plan.
     pub planned_microbatches: usize,
-    /// Rows through forward and backward, all epochs (with shared prefixes, the rows the
-    /// sequences have unshared, so that throughputs compare).
+    /// The trained sequences' rows through forward and backward, all epochs, counted as
+    /// if unshared and without padding, so that throughputs compare across layouts.
     pub update_tokens: usize,
     /// Sequences (and their rows) not run because their exposure is zero.
     pub skipped_sequences: usize,
@@ -248,6 +248,23 @@ impl Micro {
         }
         let batch = model.shared_batch(&groups)?;
         Ok(Micro { batch, targets })
+    }
+
+    /// The microbatch of `members` in the update's layout: [`Micro::shared`] with shared
+    /// prefixes, else [`Micro::padded`] with a `quantum`, [`Micro::new`] without.
+    pub fn of<M: ActorModel>(
+        model: &M,
+        r: &Rollout,
+        members: &[usize],
+        shared_prefix: bool,
+        quantum: Option<usize>,
+    ) -> anyhow::Result<Self> {
+        let (seqs, prompt_lens) = (&r.seqs, &r.prompt_lens);
+        match (shared_prefix, quantum) {
+            (true, q) => Self::shared(model, seqs, prompt_lens, members, q),
+            (false, Some(q)) => Self::padded(model, seqs, prompt_lens, members, q),
+            (false, None) => Self::new(model, seqs, prompt_lens, members),
+        }
     }
 
     /// The trained targets' values of a per-row vector, sequence after sequence.
@@ -537,11 +554,7 @@ fn epoch_grads<M: ActorModel>(
             let mut wl = TapeWorkload::new(m);
             let mut targets = Vec::with_capacity(packs.len());
             for pack in packs {
-                let micro = if s.shared_prefix {
-                    Micro::shared(m, &r.seqs, &r.prompt_lens, pack, Some(PAD_QUANTUM))?
-                } else {
-                    Micro::padded(m, &r.seqs, &r.prompt_lens, pack, PAD_QUANTUM)?
-                };
+                let micro = Micro::of(m, r, pack, s.shared_prefix, Some(PAD_QUANTUM))?;
                 let lengths: Vec<usize> = pack.iter().map(|&i| r.response_lens[i]).collect();
                 let adv: Vec<f32> = pack.iter().map(|&i| advantages[i]).collect();
                 let w: Vec<f32> = pack.iter().map(|&i| weights[i]).collect();
@@ -576,8 +589,7 @@ fn epoch_grads<M: ActorModel>(
                 batch: mi.batch.clone(),
                 targets: mi.targets.clone(),
             },
-            None if s.shared_prefix => Micro::shared(m, &r.seqs, &r.prompt_lens, pack, None)?,
-            None => Micro::new(m, &r.seqs, &r.prompt_lens, pack)?,
+            None => Micro::of(m, r, pack, s.shared_prefix, None)?,
         };
         let lengths: Vec<usize> = pack.iter().map(|&i| r.response_lens[i]).collect();
         let adv: Vec<f32> = pack.iter().map(|&i| advantages[i]).collect();
@@ -677,13 +689,9 @@ fn epoch_grads<M: ActorModel>(
             alloc.borrow_mut().observe(&decisions[k], cx.times());
         }
         rep.peak_activation_bytes = rep.peak_activation_bytes.max(cx.memory().peak_bytes());
-        rep.update_tokens += if s.shared_prefix {
-            // The rows of the concatenations, so that throughputs compare with and
-            // without shared prefixes.
-            pack.iter().map(|&i| r.seqs[i].len() - 1).sum()
-        } else {
-            micro.batch.num_tokens()
-        };
+        // The sequences' rows as if unshared, padding excluded: the same count in either
+        // layout, so that throughputs compare.
+        rep.update_tokens += pack.iter().map(|&i| r.seqs[i].len() - 1).sum::<usize>();
     }
     let planned_exposures = planned
         .as_ref()
@@ -752,11 +760,7 @@ pub fn actor_update<M: ActorModel>(
         // sampling policy's) are taken now, before the first optimizer step, as TRL
         // takes them at generation.
         for pack in packs.iter().skip(1).flatten() {
-            let micro = if s.shared_prefix {
-                Micro::shared(model, &r.seqs, &r.prompt_lens, pack, None)?
-            } else {
-                Micro::new(model, &r.seqs, &r.prompt_lens, pack)?
-            };
+            let micro = Micro::of(model, r, pack, s.shared_prefix, None)?;
             let mut cx = Cx::inference();
             let lp = model.token_logprobs(&mut cx, &micro.batch)?;
             let lp = micro.gather(&lp.tensor().to_vec1::<f32>()?);
@@ -801,6 +805,29 @@ pub fn actor_update<M: ActorModel>(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The first epoch's gradients of every sequence of `r` under `s`: its packs and its
+    /// report too.
+    fn first_epoch(
+        model: &Decoder,
+        r: &Rollout,
+        adv: &[f32],
+        weights: &[f32],
+        s: &UpdateSettings,
+    ) -> (Grads, Vec<Vec<usize>>, UpdateReport) {
+        let n = r.seqs.len();
+        let mut rep = UpdateReport::default();
+        let packs = select_and_pack(r, adv, s, 0..n, &mut rep).unwrap();
+        let mut mem = EpochMemory {
+            old: vec![Vec::new(); n],
+            reference: vec![Vec::new(); n],
+        };
+        let g = epoch_grads(
+            model, None, r, adv, weights, &packs, 0, true, s, &mut mem, &mut rep,
+        )
+        .unwrap();
+        (g.grads, packs, rep)
+    }
 
     /// Padding comes in pieces no longer than the longest member, so it fits the model's
     /// positions whenever the members do (in one piece, the zoo test's model of 64
@@ -867,17 +894,7 @@ mod tests {
                 shared_prefix: shared,
                 allocator: None,
             };
-            let mut rep = UpdateReport::default();
-            let packs = select_and_pack(&r, &adv, &s, 0..8, &mut rep).unwrap();
-            let mut mem = EpochMemory {
-                old: vec![Vec::new(); 8],
-                reference: vec![Vec::new(); 8],
-            };
-            let g = epoch_grads(
-                &model, None, &r, &adv, &weights, &packs, 0, true, &s, &mut mem, &mut rep,
-            )
-            .unwrap();
-            (g.grads, packs, rep)
+            first_epoch(&model, &r, &adv, &weights, &s)
         };
         let (plain, plain_packs, plain_rep) = grads(false, hilore_models::plans::store_all());
         let (shared, packs, rep) = grads(true, hilore_models::plans::store_all());
@@ -994,18 +1011,8 @@ mod tests {
             allocator: None,
         };
         let grads = |skip: bool| {
-            let s = settings(skip);
-            let mut rep = UpdateReport::default();
-            let packs = select_and_pack(&r, &adv, &s, 0..6, &mut rep).unwrap();
-            let mut mem = EpochMemory {
-                old: vec![Vec::new(); 6],
-                reference: vec![Vec::new(); 6],
-            };
-            let g = epoch_grads(
-                &model, None, &r, &adv, &weights, &packs, 0, true, &s, &mut mem, &mut rep,
-            )
-            .unwrap();
-            (g.grads, rep)
+            let (g, _, rep) = first_epoch(&model, &r, &adv, &weights, &settings(skip));
+            (g, rep)
         };
         let (all, rep_all) = grads(false);
         let (kept, rep_kept) = grads(true);
