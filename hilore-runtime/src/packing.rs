@@ -36,9 +36,11 @@ impl Packing {
     /// makes sequence `i` a continuation of sequence `j` (its shared prefix), so `i`'s
     /// tokens attend to every token of `j` and causally to `i`'s own, at positions
     /// `len(j)..len(j) + len(i)`, exactly as the concatenation `j ++ i` would. A prefix is
-    /// itself no continuation (`prefix_of[j]` is `None`), and its continuations follow it
-    /// directly in the packing (`j, i1, i2, ...`): a group of one prompt and its responses.
-    /// Every length is at least 1.
+    /// itself no continuation (`prefix_of[j]` is `None`) and comes before its
+    /// continuations: either right before them (`j, i1, i2, ...`, one group after another)
+    /// or with every prefix first (`j1, j2, ..., i11, i12, ..., i21, ...`), the layout in
+    /// which a model runs its row-wise units on the prompts' rows and the responses' rows
+    /// apart ([`Packing::shared_prefix_rows`]). Every length is at least 1.
     pub fn with_shared_prefixes(
         lengths: &[usize],
         prefix_of: &[Option<usize>],
@@ -51,11 +53,9 @@ impl Packing {
                 prefix_of.len()
             )));
         }
-        // Where the current group (a prefix and the continuations after it) started.
-        let mut group: Option<usize> = None;
         for (i, p) in prefix_of.iter().enumerate() {
             match *p {
-                None => group = Some(i),
+                None => {}
                 Some(j) if j >= i => {
                     return Err(Error::Tape(format!(
                         "Packing::with_shared_prefixes: sequence {i} continues sequence {j}, which does not come before it; a prefix is packed before its continuations"
@@ -65,12 +65,6 @@ impl Packing {
                     return Err(Error::Tape(format!(
                         "Packing::with_shared_prefixes: sequence {i} continues sequence {j}, which itself continues sequence {}; prefixes are one level deep (pack the whole prompt as the prefix)",
                         prefix_of[j].unwrap_or(j)
-                    )))
-                }
-                Some(j) if group != Some(j) => {
-                    return Err(Error::Tape(format!(
-                        "Packing::with_shared_prefixes: sequence {i} continues sequence {j}, but sequence {} comes between them and is no continuation of {j}; pack a prefix's continuations right after it",
-                        group.unwrap_or(j)
                     )))
                 }
                 Some(_) => {}
@@ -149,6 +143,22 @@ impl Packing {
     /// ([`Packing::with_shared_prefixes`]).
     pub fn prefix_of(&self, i: usize) -> Option<usize> {
         self.inner.prefix_of.get(i).copied().flatten()
+    }
+
+    /// The rows of the prompts in a layout with every prefix first
+    /// ([`Packing::with_shared_prefixes`]): `Some(r)` when some sequence continues a
+    /// shared prefix and every prefix lies in the first `r` rows, which hold no
+    /// continuation (the rows before the first continuation); rows `r..` are the
+    /// continuations and sequences of their own that no one continues. `None` otherwise
+    /// (no shared prefix, or a prefix after a continuation, as in a layout of one group
+    /// after another).
+    pub fn shared_prefix_rows(&self) -> Option<usize> {
+        let prefix_of = &self.inner.prefix_of;
+        let first = prefix_of.iter().position(Option::is_some)?;
+        prefix_of[first..]
+            .iter()
+            .all(|p| p.is_none_or(|j| j < first))
+            .then(|| self.inner.offsets[first])
     }
 
     /// Whether some sequence continues a shared prefix.

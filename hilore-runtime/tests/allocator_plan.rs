@@ -131,6 +131,7 @@ fn shape() -> MicrobatchShape {
     MicrobatchShape {
         tokens: N,
         sum_sq_lengths: N * N,
+        prompt_rows: 0,
     }
 }
 

@@ -275,20 +275,29 @@ fn attention_partial_gradients() {
 const SHARED_LENGTHS: [usize; 7] = [70, 30, 1, 60, 20, 5, 64];
 const SHARED_PREFIX_OF: [Option<usize>; 7] = [None, Some(0), Some(0), Some(0), None, None, Some(5)];
 
+/// The same sequences with every prefix first (the layout a model splits its row-wise
+/// units on): the prompts and the sequence of its own, then the continuations.
+const PROMPTS_FIRST_LENGTHS: [usize; 7] = [70, 20, 5, 30, 1, 60, 64];
+const PROMPTS_FIRST_PREFIX_OF: [Option<usize>; 7] =
+    [None, None, None, Some(0), Some(0), Some(0), Some(2)];
+
 /// The concatenations a shared layout replaces: for each sequence that no other continues
 /// its own rows, and for each continuation its prefix's rows then its own; as row ranges
 /// of the shared layout.
-fn concatenations() -> Vec<Vec<std::ops::Range<usize>>> {
+fn concatenations(
+    lengths: &[usize],
+    prefix_of: &[Option<usize>],
+) -> Vec<Vec<std::ops::Range<usize>>> {
     let mut start = vec![0];
-    for l in SHARED_LENGTHS {
+    for l in lengths {
         start.push(start.last().unwrap() + l);
     }
     let rows = |i: usize| start[i]..start[i + 1];
-    let continued: Vec<bool> = (0..SHARED_LENGTHS.len())
-        .map(|i| SHARED_PREFIX_OF.contains(&Some(i)))
+    let continued: Vec<bool> = (0..lengths.len())
+        .map(|i| prefix_of.contains(&Some(i)))
         .collect();
-    (0..SHARED_LENGTHS.len())
-        .filter_map(|i| match SHARED_PREFIX_OF[i] {
+    (0..lengths.len())
+        .filter_map(|i| match prefix_of[i] {
             Some(j) => Some(vec![rows(j), rows(i)]),
             None if !continued[i] => Some(vec![rows(i)]),
             None => None,
@@ -313,69 +322,86 @@ fn concatenate(cx: &mut Cx<'static>, x: &Var, seqs: &[Vec<std::ops::Range<usize>
 /// concatenations it replaces (candle's path in `f64`, the reference `ops_fd.rs` checks):
 /// the shared output laid out as the concatenations, and the gradients of `q`, `k`, `v`
 /// where the concatenations' gradients sum over a prefix row's copies. With and without a
-/// sliding window (one shorter than the prefix, so it cuts into it), with GQA.
+/// sliding window (one shorter than the prefix, so it cuts into it), with GQA; in the
+/// layout of one group after another and with every prefix first.
+/// A layout's name, sequence lengths and prefixes.
+type Layout<'a> = (&'a str, &'a [usize], &'a [Option<usize>]);
+
 #[test]
 fn attention_shared_prefix_equals_its_concatenations() {
-    let seqs = concatenations();
-    let concat_lengths: Vec<usize> = seqs
-        .iter()
-        .map(|s| s.iter().map(|r| r.len()).sum())
-        .collect();
-    let n: usize = SHARED_LENGTHS.iter().sum();
-    let (hq, hkv, d) = (6, 2, 16);
-    for window in [None, Some(40)] {
-        let mut r = Rng(11 + window.unwrap_or(0) as u64);
-        let inputs = [
-            (r.values(&[n, hq, d], 1.0), vec![n, hq, d]),
-            (r.values(&[n, hkv, d], 1.0), vec![n, hkv, d]),
-            (r.values(&[n, hkv, d], 1.0), vec![n, hkv, d]),
-        ];
-        let rows: usize = concat_lengths.iter().sum();
-        let seed = r.values(&[rows, hq, d], 1.0);
-        let run = |dt: DType, shared: bool| {
-            let vars: Vec<Var> = inputs
-                .iter()
-                .map(|(v, dims)| Var::param(tensor(v, dims, dt)))
-                .collect();
-            let mut cx = Cx::new(Plan::store_all());
-            let y = if shared {
-                let packing =
-                    Packing::with_shared_prefixes(&SHARED_LENGTHS, &SHARED_PREFIX_OF, &Device::Cpu)
+    let layouts: [Layout; 2] = [
+        ("grouped", &SHARED_LENGTHS, &SHARED_PREFIX_OF),
+        (
+            "prompts first",
+            &PROMPTS_FIRST_LENGTHS,
+            &PROMPTS_FIRST_PREFIX_OF,
+        ),
+    ];
+    for ((layout, lengths, prefix_of), window) in layouts
+        .into_iter()
+        .flat_map(|l| [None, Some(40)].map(|w| (l, w)))
+    {
+        let seqs = concatenations(lengths, prefix_of);
+        let concat_lengths: Vec<usize> = seqs
+            .iter()
+            .map(|s| s.iter().map(|r| r.len()).sum())
+            .collect();
+        let n: usize = lengths.iter().sum();
+        let (hq, hkv, d) = (6, 2, 16);
+        {
+            let mut r = Rng(11 + window.unwrap_or(0) as u64);
+            let inputs = [
+                (r.values(&[n, hq, d], 1.0), vec![n, hq, d]),
+                (r.values(&[n, hkv, d], 1.0), vec![n, hkv, d]),
+                (r.values(&[n, hkv, d], 1.0), vec![n, hkv, d]),
+            ];
+            let rows: usize = concat_lengths.iter().sum();
+            let seed = r.values(&[rows, hq, d], 1.0);
+            let run = |dt: DType, shared: bool| {
+                let vars: Vec<Var> = inputs
+                    .iter()
+                    .map(|(v, dims)| Var::param(tensor(v, dims, dt)))
+                    .collect();
+                let mut cx = Cx::new(Plan::store_all());
+                let y = if shared {
+                    let packing =
+                        Packing::with_shared_prefixes(lengths, prefix_of, &Device::Cpu).unwrap();
+                    let o = cx
+                        .attention_windowed(&vars[0], &vars[1], &vars[2], &packing, 0.25, window)
                         .unwrap();
-                let o = cx
-                    .attention_windowed(&vars[0], &vars[1], &vars[2], &packing, 0.25, window)
+                    concatenate(&mut cx, &o, &seqs).unwrap()
+                } else {
+                    let packing = Packing::new(&concat_lengths, &Device::Cpu).unwrap();
+                    let [q, k, v] =
+                        [0, 1, 2].map(|i| concatenate(&mut cx, &vars[i], &seqs).unwrap());
+                    cx.attention_windowed(&q, &k, &v, &packing, 0.25, window)
+                        .unwrap()
+                };
+                let mut grads = Grads::new();
+                cx.backward(&y, &tensor(&seed, y.dims(), dt), &mut grads)
                     .unwrap();
-                concatenate(&mut cx, &o, &seqs).unwrap()
-            } else {
-                let packing = Packing::new(&concat_lengths, &Device::Cpu).unwrap();
-                let [q, k, v] = [0, 1, 2].map(|i| concatenate(&mut cx, &vars[i], &seqs).unwrap());
-                cx.attention_windowed(&q, &k, &v, &packing, 0.25, window)
-                    .unwrap()
+                let gs: Vec<Option<Vec<f64>>> = vars
+                    .iter()
+                    .map(|v| Some(flat(grads.get(v.id()).unwrap())))
+                    .collect();
+                (flat(y.tensor()), gs)
             };
-            let mut grads = Grads::new();
-            cx.backward(&y, &tensor(&seed, y.dims(), dt), &mut grads)
-                .unwrap();
-            let gs: Vec<Option<Vec<f64>>> = vars
-                .iter()
-                .map(|v| Some(flat(grads.get(v.id()).unwrap())))
-                .collect();
-            (flat(y.tensor()), gs)
-        };
-        let name = format!("shared-prefix attention, window {window:?}");
-        let reference = run(DType::F64, false);
-        assert_within_bound(&name, &run(DType::F32, true), &reference);
-        // Candle's path (here f64; a GPU's tensors take it too) with shared prefixes
-        // against the same path over the concatenations.
-        let (y, g) = run(DType::F64, true);
-        let (y_ref, g_ref) = &reference;
-        let mut worst = rel_l2(&y, y_ref);
-        for (a, b) in g.iter().zip(g_ref) {
-            if let (Some(a), Some(b)) = (a, b) {
-                worst = worst.max(rel_l2(a, b));
+            let name = format!("shared-prefix attention, {layout}, window {window:?}");
+            let reference = run(DType::F64, false);
+            assert_within_bound(&name, &run(DType::F32, true), &reference);
+            // Candle's path (here f64; a GPU's tensors take it too) with shared prefixes
+            // against the same path over the concatenations.
+            let (y, g) = run(DType::F64, true);
+            let (y_ref, g_ref) = &reference;
+            let mut worst = rel_l2(&y, y_ref);
+            for (a, b) in g.iter().zip(g_ref) {
+                if let (Some(a), Some(b)) = (a, b) {
+                    worst = worst.max(rel_l2(a, b));
+                }
             }
+            println!("{name}: candle path f64, worst rel L2 {worst:.2e}");
+            assert!(worst <= F64_BOUND, "{name}: candle path off by {worst:.2e}");
         }
-        println!("{name}: candle path f64, worst rel L2 {worst:.2e}");
-        assert!(worst <= F64_BOUND, "{name}: candle path off by {worst:.2e}");
     }
 }
 
@@ -390,11 +416,10 @@ fn shared_prefix_packings_are_checked() {
     let dev = Device::Cpu;
     // (lengths, prefix_of, what the error says)
     type Case<'a> = (&'a [usize], &'a [Option<usize>], &'a str);
-    let bad: [Case; 4] = [
+    let bad: [Case; 3] = [
         (&[3, 2], &[None], "one entry per sequence"),
         (&[3, 2], &[Some(1), None], "does not come before it"),
         (&[3, 2, 2], &[None, Some(0), Some(1)], "one level deep"),
-        (&[3, 2, 2], &[None, None, Some(0)], "right after it"),
     ];
     for (lengths, prefix_of, expected) in bad {
         let e = Packing::with_shared_prefixes(lengths, prefix_of, &dev)
@@ -409,6 +434,22 @@ fn shared_prefix_packings_are_checked() {
     );
     // 3^2 + (2^2 + 2*3*2) + (4^2 + 2*3*4): the concatenations' 5^2 + 7^2 less one 3^2.
     assert_eq!(p.sum_sq_lengths(), 9 + 16 + 40);
+    // One group: its prompt's 3 rows come before every continuation.
+    assert_eq!(p.shared_prefix_rows(), Some(3));
+    // Every prefix first, a sequence of its own among them or after the continuations.
+    let first = |lengths: &[usize], prefix_of: &[Option<usize>]| {
+        Packing::with_shared_prefixes(lengths, prefix_of, &dev)
+            .unwrap()
+            .shared_prefix_rows()
+    };
+    assert_eq!(
+        first(&[3, 1, 2, 2, 4], &[None, None, None, Some(0), Some(2)]),
+        Some(6)
+    );
+    assert_eq!(first(&[3, 2, 5], &[None, Some(0), None]), Some(3));
+    // A prefix after a continuation (one group after another), and no prefix at all.
+    assert_eq!(first(&[3, 2, 4, 1], &[None, Some(0), None, Some(2)]), None);
+    assert_eq!(first(&[3, 2], &[None, None]), None);
 }
 
 #[test]

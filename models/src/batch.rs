@@ -113,16 +113,20 @@ impl TokenBatch {
     }
 
     /// Packs prompt groups with each prompt held once ([`Packing::with_shared_prefixes`]),
-    /// with the config's RoPE tables: a group's rows are its prompt's `P` tokens, then for
-    /// each response of `R >= 2` tokens its first `R - 1` tokens, attending to the whole
-    /// prompt and causally to themselves at positions `P..P + R - 1`: the rows of the
-    /// concatenation `prompt ++ response` less the prompt's repeats.
+    /// with the config's RoPE tables: every group's prompt of `P` tokens first, group by
+    /// group, then for each response of `R >= 2` tokens its first `R - 1` tokens,
+    /// attending to its whole prompt and causally to themselves at positions
+    /// `P..P + R - 1`: the rows of the concatenations `prompt ++ response` less the
+    /// prompts' repeats. With every prompt first, the prompts' rows are
+    /// `0..`[`Packing::shared_prefix_rows`] and the responses' the rest, and the decoder
+    /// runs its row-wise units on the two apart (prompt and response instances of each
+    /// unit, which the allocator plans apart).
     ///
-    /// The log-probs (targets) come group by group: the prompt's tokens `1..P` (from rows
-    /// `0..P - 1`), then each response's `R` tokens in order, its first from the prompt's
-    /// last row. So the log-probs of `prompt ++ response_i` are the group's prompt part
-    /// followed by response `i`'s part; each `prompt ++ response` must fit the model's
-    /// positions.
+    /// The log-probs (targets) come group by group: the prompt's tokens `1..P` (from its
+    /// rows but the last), then each response's `R` tokens in order, its first from the
+    /// prompt's last row. So the log-probs of `prompt ++ response_i` are the group's prompt
+    /// part followed by response `i`'s part; each `prompt ++ response` must fit the
+    /// model's positions.
     pub fn from_shared_prefixes(
         groups: &[PromptGroup],
         cfg: &DecoderConfig,
@@ -155,6 +159,16 @@ impl TokenBatch {
         }
         let (mut inputs, mut targets, mut rows) = (Vec::new(), Vec::new(), Vec::new());
         let (mut lengths, mut prefix_of) = (Vec::new(), Vec::new());
+        let bad_id = |gi: usize, what: String, s: &[u32]| -> Result<(), ModelError> {
+            match s.iter().enumerate().find(|(_, &t)| t as usize >= vocab_size) {
+                Some((j, &t)) => Err(ModelError::Batch(format!(
+                    "prompt group {gi}, {what}, token {j} is id {t}, outside the vocabulary of {vocab_size} ids"
+                ))),
+                None => Ok(()),
+            }
+        };
+        // The prompts' rows first: each prompt's sequence index and first row.
+        let mut prompt_at = Vec::with_capacity(groups.len());
         for (gi, g) in groups.iter().enumerate() {
             let p = g.prompt.len();
             if p == 0 || g.responses.is_empty() {
@@ -163,24 +177,18 @@ impl TokenBatch {
                     g.responses.len()
                 )));
             }
-            let bad_id = |what: String, s: &[u32]| -> Result<(), ModelError> {
-                match s.iter().enumerate().find(|(_, &t)| t as usize >= vocab_size) {
-                    Some((j, &t)) => Err(ModelError::Batch(format!(
-                        "prompt group {gi}, {what}, token {j} is id {t}, outside the vocabulary of {vocab_size} ids"
-                    ))),
-                    None => Ok(()),
-                }
-            };
-            bad_id("prompt".into(), &g.prompt)?;
-            let prefix = lengths.len();
-            let start = inputs.len();
+            bad_id(gi, "prompt".into(), &g.prompt)?;
+            prompt_at.push((lengths.len(), inputs.len()));
             inputs.extend_from_slice(&g.prompt);
             lengths.push(p);
             prefix_of.push(None);
-            for t in 1..p {
-                targets.push(g.prompt[t]);
-                rows.push((start + t - 1) as u32);
-            }
+        }
+        // Then the responses' rows, group by group: each response's first row (`None` for
+        // a 1-token response, which has no rows of its own).
+        let mut response_at = Vec::with_capacity(groups.len());
+        for (gi, g) in groups.iter().enumerate() {
+            let p = g.prompt.len();
+            let mut at = Vec::with_capacity(g.responses.len());
             for (ri, r) in g.responses.iter().enumerate() {
                 if r.is_empty() {
                     return Err(ModelError::Batch(format!(
@@ -194,14 +202,27 @@ impl TokenBatch {
                         p + r.len() - 1
                     )));
                 }
-                bad_id(format!("response {ri}"), r)?;
-                targets.push(r[0]);
-                rows.push((start + p - 1) as u32);
+                bad_id(gi, format!("response {ri}"), r)?;
+                at.push((r.len() >= 2).then_some(inputs.len()));
                 if r.len() >= 2 {
-                    let at = inputs.len();
                     inputs.extend_from_slice(&r[..r.len() - 1]);
                     lengths.push(r.len() - 1);
-                    prefix_of.push(Some(prefix));
+                    prefix_of.push(Some(prompt_at[gi].0));
+                }
+            }
+            response_at.push(at);
+        }
+        // The log-probs, group by group.
+        for (gi, g) in groups.iter().enumerate() {
+            let (p, start) = (g.prompt.len(), prompt_at[gi].1);
+            for t in 1..p {
+                targets.push(g.prompt[t]);
+                rows.push((start + t - 1) as u32);
+            }
+            for (r, at) in g.responses.iter().zip(&response_at[gi]) {
+                targets.push(r[0]);
+                rows.push((start + p - 1) as u32);
+                if let Some(at) = *at {
                     for (t, &token) in r.iter().enumerate().skip(1) {
                         targets.push(token);
                         rows.push((at + t - 1) as u32);

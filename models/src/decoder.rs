@@ -364,10 +364,17 @@ impl DecoderLayer {
     }
 
     /// Unit `layer`: the whole layer, made of the seven units above. It records no op of
-    /// its own, so it saves nothing itself; as Recompute it is classic per-layer gradient
+    /// its own that saves anything; as Recompute it is classic per-layer gradient
     /// checkpointing: after the forward only its input `x` (and the batch's shared
     /// positions and RoPE tables) is kept, and backward re-runs the layer, each inner unit
     /// with its own fidelity.
+    ///
+    /// On a shared-prefix layout with every prompt first
+    /// ([`Packing::shared_prefix_rows`]) each row-wise unit runs twice, on the prompts'
+    /// rows and then on the responses' rows, so it has a prompt instance and a response
+    /// instance per layer (calls `2 l` and `2 l + 1` of layer `l`), which the allocator
+    /// plans apart: a prompt row's saved state is read by the backward of every response
+    /// of its group. The two parts meet in `attn_core`, whose instance covers both.
     #[recovery_unit(name = "layer", cost = self.dims.layer_cost(x.dim(0)?, packing.sum_sq_lengths()), deterministic)]
     pub fn forward(
         &self,
@@ -376,6 +383,9 @@ impl DecoderLayer {
         packing: &Packing,
         rope: &RopeTables,
     ) -> Result<Var> {
+        if let Some(prompt_rows) = packing.shared_prefix_rows() {
+            return self.forward_split(cx, x, prompt_rows, packing, rope);
+        }
         let h = self.attn_norm(cx, x)?;
         let (q, k, v) = self.self_attn.qkv(cx, &h, rope)?;
         let o = self.self_attn.core(cx, &q, &k, &v, packing)?;
@@ -383,6 +393,42 @@ impl DecoderLayer {
         let h = self.mlp_norm(cx, &x)?;
         let a = self.mlp.gate_up(cx, &h)?;
         self.mlp.down(cx, &a, &x)
+    }
+
+    /// [`DecoderLayer::forward`] with rows `..prompt_rows` (the prompts') and the rest
+    /// (the responses') through each row-wise unit apart, each part in a storage of its
+    /// own ([`Cx::split_rows`]), so a unit's prompt instance saves only prompt rows.
+    fn forward_split<'m>(
+        &'m self,
+        cx: &mut Cx<'m>,
+        x: &Var,
+        prompt_rows: usize,
+        packing: &Packing,
+        rope: &RopeTables,
+    ) -> Result<Var> {
+        let n = x.dim(0)?;
+        let r = n - prompt_rows;
+        let (xp, xr) = cx.split_rows(x, prompt_rows)?;
+        let (rope_p, rope_r) = (rope.rows(0, prompt_rows)?, rope.rows(prompt_rows, r)?);
+        let hp = self.attn_norm(cx, &xp)?;
+        let hr = self.attn_norm(cx, &xr)?;
+        let (qp, kp, vp) = self.self_attn.qkv(cx, &hp, &rope_p)?;
+        let (qr, kr, vr) = self.self_attn.qkv(cx, &hr, &rope_r)?;
+        let q = cx.cat(&[&qp, &qr], 0)?;
+        let k = cx.cat(&[&kp, &kr], 0)?;
+        let v = cx.cat(&[&vp, &vr], 0)?;
+        let o = self.self_attn.core(cx, &q, &k, &v, packing)?;
+        let op = cx.narrow(&o, 0, 0, prompt_rows)?;
+        let or = cx.narrow(&o, 0, prompt_rows, r)?;
+        let xp = self.self_attn.out(cx, &op, &xp)?;
+        let xr = self.self_attn.out(cx, &or, &xr)?;
+        let hp = self.mlp_norm(cx, &xp)?;
+        let hr = self.mlp_norm(cx, &xr)?;
+        let ap = self.mlp.gate_up(cx, &hp)?;
+        let ar = self.mlp.gate_up(cx, &hr)?;
+        let yp = self.mlp.down(cx, &ap, &xp)?;
+        let yr = self.mlp.down(cx, &ar, &xr)?;
+        cx.cat(&[&yp, &yr], 0)
     }
 }
 

@@ -6,13 +6,17 @@
 //!   recompute time divided by the instance count is one sample of the unit's fit (at
 //!   that microbatch's shape). On the kappa microbatch these ride along the compression
 //!   passes below (recompute is exact and timed separately from encode / decode).
-//! - Codec time and `kappa`: for every unit with activation slots and every codec, one
-//!   pass with every instance of the unit compressed; the tape's encode / decode times
-//!   over the values encoded give the codec's rates, and the parameter-gradient error
-//!   against the exact (store-all) gradient, divided by the exposure and shared equally
-//!   in quadrature among the unit's `n` instances (divided by `sqrt(n)`), gives `kappa`
-//!   of each instance (so the risks of that calibration plan, added in quadrature, equal
-//!   its measured error).
+//! - Codec time and `kappa`: for every class of a unit with activation slots and every
+//!   codec, one pass with every instance of the class compressed; the tape's encode /
+//!   decode times over the values encoded give the codec's rates, and the
+//!   parameter-gradient error against the exact (store-all) gradient, divided by the
+//!   exposure and shared equally in quadrature among the class's `n` instances (divided
+//!   by `sqrt(n)`), gives `kappa` of each instance (so the risks of that calibration plan,
+//!   added in quadrature, equal its measured error). A unit's classes are its instances
+//!   of equal cost-expression value at the profile: one class (the whole unit) in most
+//!   layouts; two in a shared-prefix layout whose row-wise units run on the prompts' and
+//!   the responses' rows apart, whose prompt instances are read by every response's
+//!   backward and so can weigh more per value than the response instances.
 //! - Additivity: one pass per codec with every unit compressed; measured error over the
 //!   summed predictions (the largest over codecs) scales the risk budget
 //!   ([`super::RiskModel::additivity_ratio`]).
@@ -40,7 +44,8 @@ pub struct PassResult {
 /// What calibration measured (for reports).
 #[derive(Debug, Clone, Default, serde::Serialize)]
 pub struct CalibrationReport {
-    /// (unit, codec, measured error norm, exposure, instances).
+    /// (unit, or `unit [cost c]` for one class of a unit with several, codec, measured
+    /// error norm, exposure, instances).
     pub compress_errors: Vec<(String, String, f64, f64, usize)>,
     /// (unit, microbatch, seconds per instance).
     pub recompute_seconds: Vec<(String, usize, f64)>,
@@ -113,18 +118,38 @@ pub fn calibrate(
         .filter(|(_, idx)| alloc.descriptor(idx[0]).offers(Fidelity::Recompute))
         .map(|(u, _)| *u)
         .collect();
-    let mut compress: Vec<(&'static str, &'static str, usize)> = Vec::new();
+    // A compress pass per class of a unit (its instances of equal cost at the profile)
+    // and codec: (unit, label, the class's instances, codec, values).
+    let mut compress: Vec<(&'static str, String, Vec<usize>, &'static str, usize)> = Vec::new();
     for (&unit, idx) in &units {
-        let values: usize = idx
-            .iter()
-            .map(|&i| alloc.instances()[i].own_act_elems.iter().sum::<usize>())
-            .sum();
-        if values == 0 {
-            continue;
+        let mut classes: BTreeMap<u64, Vec<usize>> = BTreeMap::new();
+        for &i in idx {
+            classes
+                .entry(alloc.cost_at_profile(i).to_bits())
+                .or_default()
+                .push(i);
         }
-        for &codec in codecs {
-            if alloc.descriptor(idx[0]).offers(Fidelity::Compress(codec)) {
-                compress.push((unit, codec, values));
+        let several = classes.len() > 1;
+        for (cost, members) in classes {
+            let values: usize = members
+                .iter()
+                .map(|&i| alloc.instances()[i].own_act_elems.iter().sum::<usize>())
+                .sum();
+            if values == 0 {
+                continue;
+            }
+            let label = if several {
+                format!("{unit} [cost {}]", f64::from_bits(cost))
+            } else {
+                unit.to_string()
+            };
+            for &codec in codecs {
+                if alloc
+                    .descriptor(members[0])
+                    .offers(Fidelity::Compress(codec))
+                {
+                    compress.push((unit, label.clone(), members.clone(), codec, values));
+                }
             }
         }
     }
@@ -151,14 +176,23 @@ pub fn calibrate(
     };
     let mut pending: Vec<&'static str> = recomputable.clone();
     let kmb = &inputs[kappa_mb];
-    for &(unit, codec, values) in &compress {
+    for (unit, label, members, codec, values) in &compress {
+        let (unit, codec) = (*unit, *codec);
         let rc = pending
             .iter()
             .position(|r| !nested(r, unit))
             .map(|k| pending.remove(k));
-        let mut plan = Plan::store_all()
-            .with_unit(unit, Fidelity::Compress(codec))
-            .named(format!("calibrate {unit} {codec}"));
+        let f = Fidelity::Compress(codec);
+        let mut plan = if members.len() == units[unit].len() {
+            Plan::store_all().with_unit(unit, f)
+        } else {
+            let mut p = Plan::store_all();
+            for &i in members {
+                p.set_instance(unit, inst_copy[i].call, f);
+            }
+            p
+        }
+        .named(format!("calibrate {label} {codec}"));
         if let Some(r) = rc {
             plan = plan.with_unit(r, Fidelity::Recompute);
         }
@@ -174,28 +208,27 @@ pub fn calibrate(
         }
         alloc.costs.observe_codec(
             codec,
-            values,
+            *values,
             r.times.encode.as_secs_f64(),
             r.times.decode.as_secs_f64(),
         );
         let (err, _, _) = grad_error(&r.grads, &exact[kappa_mb]);
-        let idx = &units[unit];
         report.compress_errors.push((
-            unit.to_string(),
+            label.clone(),
             codec.to_string(),
             err,
             kmb.exposure,
-            idx.len(),
+            members.len(),
         ));
-        // The unit's instances were compressed together and their errors add in
+        // The class's instances were compressed together and their errors add in
         // quadrature (see `risk`), so each carries err / sqrt(n): their risks' root sum
         // of squares is then the measured error.
         let kappa = if kmb.exposure > 0.0 {
-            err / kmb.exposure / (idx.len() as f64).sqrt()
+            err / kmb.exposure / (members.len() as f64).sqrt()
         } else {
             0.0
         };
-        for &i in idx {
+        for &i in members {
             let b = &inst_copy[i];
             alloc.risk.set_kappa(b.unit, b.call, codec, kappa);
         }
@@ -209,7 +242,10 @@ pub fn calibrate(
         let mut plan = Plan::store_all().named(format!("calibrate all {codec}"));
         let mut predicted = 0.0;
         for (&unit, idx) in &units {
-            if compress.iter().any(|(u, c, _)| *u == unit && *c == codec) {
+            if compress
+                .iter()
+                .any(|(u, _, _, c, _)| *u == unit && *c == codec)
+            {
                 plan = plan.with_unit(unit, f);
                 for &i in idx {
                     let b = &inst_copy[i];

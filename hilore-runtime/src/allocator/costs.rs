@@ -23,6 +23,11 @@ pub struct MicrobatchShape {
     pub tokens: usize,
     /// Sum over its sequences of the squared length ([`crate::Packing::sum_sq_lengths`]).
     pub sum_sq_lengths: usize,
+    /// Rows of the prompts in a shared-prefix layout with every prompt first
+    /// ([`crate::Packing::shared_prefix_rows`]), 0 in any other layout. A model may run its
+    /// row-wise units on the prompts' and the responses' rows apart, so two microbatches
+    /// of the same rows but other prompt rows can save other bytes per unit instance.
+    pub prompt_rows: usize,
 }
 
 impl MicrobatchShape {
@@ -31,7 +36,15 @@ impl MicrobatchShape {
         MicrobatchShape {
             tokens: packing.total_tokens(),
             sum_sq_lengths: packing.sum_sq_lengths(),
+            prompt_rows: packing.shared_prefix_rows().unwrap_or(0),
         }
+    }
+
+    /// What a profile's byte figures are exact for: microbatches of the same rows and
+    /// prompt rows (every saved tensor is linear in the rows of the part it is computed
+    /// on, none depends on how they split into sequences).
+    pub fn profile_key(&self) -> (usize, usize) {
+        (self.tokens, self.prompt_rows)
     }
 }
 
@@ -234,6 +247,7 @@ mod tests {
         MicrobatchShape {
             tokens: n,
             sum_sq_lengths: s,
+            prompt_rows: 0,
         }
     }
 

@@ -2,9 +2,11 @@
 //! the first step, plans every step's microbatches under one risk budget and, when asked,
 //! folds the measured times back into the cost model.
 //!
-//! Byte figures of a profile are exact for microbatches of the profiled token count, so a
-//! training loop that wants exact peaks pads its microbatches to a few sizes (e.g. the
-//! token budget); each new size costs one profiling pass (a store-all forward and
+//! Byte figures of a profile are exact for microbatches of the profiled token count (and,
+//! in a shared-prefix layout with every prompt first, of the profiled prompt rows:
+//! [`super::MicrobatchShape::profile_key`]), so a training loop that wants exact peaks
+//! pads its microbatches to a few sizes (e.g. the token budget); each new size costs one
+//! profiling pass (a store-all forward and
 //! backward that keeps every tensor: do it where memory allows).
 //!
 //! # Reproducible plans
@@ -44,13 +46,13 @@ pub struct OnlineAllocator {
     codecs: Vec<&'static str>,
     costs: CostModel,
     risk: RiskModel,
-    by_tokens: BTreeMap<usize, Allocator>,
+    by_shape: BTreeMap<(usize, usize), Allocator>,
     /// Whether costs and risk are calibrated (here or in the run a state was restored
     /// from).
     calibrated: bool,
     /// What this process's calibration measured (none after a restore).
     calibration: Option<CalibrationReport>,
-    gc_peak: BTreeMap<usize, usize>,
+    gc_peak: BTreeMap<(usize, usize), usize>,
     refresh: bool,
 }
 
@@ -128,7 +130,7 @@ impl std::fmt::Debug for OnlineAllocator {
         f.debug_struct("OnlineAllocator")
             .field("budget", &self.budget)
             .field("target_rel_l2", &self.target_rel_l2)
-            .field("profiles", &self.by_tokens.keys().collect::<Vec<_>>())
+            .field("profiles", &self.by_shape.keys().collect::<Vec<_>>())
             .finish()
     }
 }
@@ -157,7 +159,7 @@ impl OnlineAllocator {
             codecs: codecs.to_vec(),
             costs: CostModel::default(),
             risk: RiskModel::default(),
-            by_tokens: BTreeMap::new(),
+            by_shape: BTreeMap::new(),
             calibrated: false,
             calibration: None,
             gc_peak: BTreeMap::new(),
@@ -194,7 +196,7 @@ impl OnlineAllocator {
             calibrated: self.calibrated,
             costs: self.costs.clone(),
             risk: RiskState::from(&self.risk),
-            profiled_tokens: self.by_tokens.keys().copied().collect(),
+            profiled_tokens: self.by_shape.keys().map(|k| k.0).collect(),
         }
     }
 
@@ -232,7 +234,7 @@ impl OnlineAllocator {
         self.risk = RiskModel::from(&s.risk);
         self.calibrated = s.calibrated;
         self.calibration = None;
-        for a in self.by_tokens.values_mut() {
+        for a in self.by_shape.values_mut() {
             a.costs = self.costs.clone();
             a.risk = self.risk.clone();
         }
@@ -255,15 +257,15 @@ impl OnlineAllocator {
         }
         let inputs: Vec<MicrobatchInput> = (0..w.len()).map(|i| w.input(i)).collect();
         for (i, mb) in inputs.iter().enumerate() {
-            let n = mb.shape.tokens;
-            if !self.by_tokens.contains_key(&n) {
+            let n = mb.shape.profile_key();
+            if !self.by_shape.contains_key(&n) {
                 let (profile, inst) = w.profile(i)?;
                 let mut a = Allocator::new(profile, &inst, self.state, &self.codecs)?;
                 let gc = super::baselines::gradient_checkpointing(&a);
                 self.gc_peak.insert(n, a.simulate_peak(&gc)?);
                 a.costs = self.costs.clone();
                 a.risk = self.risk.clone();
-                self.by_tokens.insert(n, a);
+                self.by_shape.insert(n, a);
             }
         }
         if !self.calibrated {
@@ -273,8 +275,8 @@ impl OnlineAllocator {
                 .filter(|&i| inputs[i].exposure > 0.0)
                 .collect();
             if !idx.is_empty() {
-                let n = inputs[idx[0]].shape.tokens;
-                idx.retain(|&i| inputs[i].shape.tokens == n);
+                let n = inputs[idx[0]].shape.profile_key();
+                idx.retain(|&i| inputs[i].shape.profile_key() == n);
                 idx.sort_by_key(|&i| inputs[i].shape.sum_sq_lengths);
                 let pick: Vec<usize> = if idx.len() > 1 {
                     vec![idx[0], idx[idx.len() - 1]]
@@ -282,7 +284,7 @@ impl OnlineAllocator {
                     idx
                 };
                 let a = self
-                    .by_tokens
+                    .by_shape
                     .get_mut(&n)
                     .ok_or_else(|| Error::Tape("allocator: no profile".into()))?;
                 let report = calibrate(
@@ -295,7 +297,7 @@ impl OnlineAllocator {
                 )?;
                 self.costs = a.costs.clone();
                 self.risk = a.risk.clone();
-                for a in self.by_tokens.values_mut() {
+                for a in self.by_shape.values_mut() {
                     a.costs = self.costs.clone();
                     a.risk = self.risk.clone();
                 }
@@ -309,7 +311,7 @@ impl OnlineAllocator {
             let decisions = inputs
                 .iter()
                 .map(|m| {
-                    let a = &self.by_tokens[&m.shape.tokens];
+                    let a = &self.by_shape[&m.shape.profile_key()];
                     a.fixed_decision(super::baselines::gradient_checkpointing(a))
                 })
                 .collect::<Result<Vec<_>>>()?;
@@ -321,7 +323,7 @@ impl OnlineAllocator {
         // The budget: a factor of full recompute's total peak at the step's largest size.
         let gc_total = inputs
             .iter()
-            .map(|m| self.gc_peak[&m.shape.tokens])
+            .map(|m| self.gc_peak[&m.shape.profile_key()])
             .max()
             .unwrap_or(0)
             + self.state.total();
@@ -341,10 +343,10 @@ impl OnlineAllocator {
         };
         // One solve per microbatch size, the step's risk budget shared by exposure.
         let mut decisions: Vec<Option<Decision>> = vec![None; inputs.len()];
-        let sizes: Vec<usize> = self.by_tokens.keys().copied().collect();
+        let sizes: Vec<(usize, usize)> = self.by_shape.keys().copied().collect();
         for n in sizes {
             let members: Vec<usize> = (0..inputs.len())
-                .filter(|&i| inputs[i].shape.tokens == n)
+                .filter(|&i| inputs[i].shape.profile_key() == n)
                 .collect();
             if members.is_empty() {
                 continue;
@@ -356,7 +358,7 @@ impl OnlineAllocator {
                 0.0
             };
             let mbs: Vec<MicrobatchInput> = members.iter().map(|&i| inputs[i]).collect();
-            let a = &self.by_tokens[&n];
+            let a = &self.by_shape[&n];
             let ds = a.plan_step(&mbs, budget_bytes, share, &offer, None)?;
             for (&i, d) in members.iter().zip(ds) {
                 decisions[i] = Some(d);
@@ -388,7 +390,7 @@ impl OnlineAllocator {
             return;
         };
         self.risk.grad_norm_per_exposure = Some(0.5 * (old + new));
-        for a in self.by_tokens.values_mut() {
+        for a in self.by_shape.values_mut() {
             a.risk.grad_norm_per_exposure = self.risk.grad_norm_per_exposure;
         }
     }
@@ -407,7 +409,7 @@ impl OnlineAllocator {
             decision.predicted_codec_seconds / c.codec.max(1e-12),
             (times.encode + times.decode).as_secs_f64(),
         );
-        for a in self.by_tokens.values_mut() {
+        for a in self.by_shape.values_mut() {
             a.costs.corrections = self.costs.corrections.clone();
         }
     }
@@ -438,6 +440,7 @@ mod tests {
             super::super::MicrobatchShape {
                 tokens: 128,
                 sum_sq_lengths: 2048,
+                prompt_rows: 0,
             },
             3.7e-4,
         );

@@ -97,6 +97,23 @@ impl RopeTables {
         &self.sin
     }
 
+    /// The tables of rows `start..start + len`, as views of these tables' storage (so a
+    /// tape counts the two once): the tables of one part of a packing, such as the
+    /// prompts' rows of a shared-prefix layout ([`crate::Packing::shared_prefix_rows`]).
+    pub fn rows(&self, start: usize, len: usize) -> Result<Self> {
+        let n = self.num_tokens();
+        if start + len > n {
+            return Err(Error::Tape(format!(
+                "RopeTables::rows: rows {start}..{} of tables for {n} tokens",
+                start + len
+            )));
+        }
+        Ok(RopeTables {
+            cos: self.cos.narrow(0, start, len)?,
+            sin: self.sin.narrow(0, start, len)?,
+        })
+    }
+
     /// Number of tokens the tables cover.
     pub fn num_tokens(&self) -> usize {
         self.cos.dims()[0]

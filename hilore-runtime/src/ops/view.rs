@@ -1,4 +1,4 @@
-//! Shape ops: reshape, transpose, narrow, cat. None of them saves anything.
+//! Shape ops: reshape, transpose, narrow, split_rows, cat. None of them saves anything.
 
 use super::util::grad_if;
 use super::{shape_of, Op};
@@ -107,6 +107,35 @@ impl<'m> Cx<'m> {
         let full = x.dims()[dim];
         let y = x.tensor.narrow(dim, start, len)?;
         self.record(Narrow { dim, start, full }, &[x], y, vec![])
+    }
+
+    /// The first `at` rows of `x` (its dimension 0) and the rest, each copied into a
+    /// storage of its own: a unit that saves one part then holds only that part's rows
+    /// (a [`Cx::narrow`] view would hold all of `x`). `0 < at < rows`. Saves nothing
+    /// (backward pads each part's gradient with zeros, as `narrow`'s).
+    pub fn split_rows(&mut self, x: &Var, at: usize) -> Result<(Var, Var)> {
+        let full = x.dim(0)?;
+        if at == 0 || at >= full {
+            return shape_err(
+                "split_rows",
+                format!("splits {full} rows at {at}; it needs 0 < at < {full}"),
+            );
+        }
+        let mut part = |start: usize, len: usize| -> Result<Var> {
+            let y = x.tensor.narrow(0, start, len)?.force_contiguous()?;
+            self.record(
+                Narrow {
+                    dim: 0,
+                    start,
+                    full,
+                },
+                &[x],
+                y,
+                vec![],
+            )
+        };
+        let first = part(0, at)?;
+        Ok((first, part(at, full - at)?))
     }
 
     /// Concatenation of `xs` (at least one) along `dim`. Saves nothing (backward slices the

@@ -10,8 +10,9 @@
 //!   or *opened* into its children, each of which gets Store, Compress(codec) or
 //!   Recompute (only where its descriptor offers it: a unit that is not `deterministic`
 //!   never gets Recompute);
-//! - time of a choice: measured recompute time of the instance, or encode + decode time
-//!   of its activation values; Store costs nothing;
+//! - time of a choice: measured recompute time of the instance (its unit's fit, times the
+//!   instance's share of the unit's cost at the profile), or encode + decode time of its
+//!   activation values; Store costs nothing;
 //! - risk: `kappa * exposure` for Compress (exposure: the L2 norm of the rows'
 //!   `dL/dlogp`), 0 for the exact fidelities;
 //! - bytes: what the choice changes in the bytes kept after the forward, measured exactly
@@ -207,6 +208,12 @@ pub struct Allocator {
     instances: Vec<InstanceBytes>,
     descs: Vec<&'static UnitDescriptor>,
     costs_at_profile: Vec<f64>,
+    /// Instance `i`'s share of its unit's measured recompute time, relative to the mean
+    /// instance: `cost_i * n / sum of the unit's n costs` at the profile (1 where the
+    /// unit's costs are all equal, or sum to nothing). A unit's fit predicts the mean
+    /// instance; in a layout whose row-wise units run on the prompts' and the responses'
+    /// rows apart, a unit's prompt and response instances cost what their rows do.
+    recompute_share: Vec<f64>,
     layout: Vec<Layout>,
     state: StateBytes,
     /// Measured costs.
@@ -266,9 +273,30 @@ impl Allocator {
         for c in codecs {
             hilore_kernels::codec_by_name(c)?;
         }
+        let costs_at_profile: Vec<f64> = instances.iter().map(|u| u.cost).collect();
+        let mut unit_cost: HashMap<&str, (f64, usize)> = HashMap::new();
+        for (b, &c) in bytes.iter().zip(&costs_at_profile) {
+            let e = unit_cost.entry(b.unit).or_default();
+            e.0 += c;
+            e.1 += 1;
+        }
+        let recompute_share = bytes
+            .iter()
+            .zip(&costs_at_profile)
+            .map(|(b, &c)| {
+                let (sum, n) = unit_cost[b.unit];
+                let share = c * n as f64 / sum;
+                if share.is_finite() && share >= 0.0 {
+                    share
+                } else {
+                    1.0
+                }
+            })
+            .collect();
         let mut a = Allocator {
             profile,
-            costs_at_profile: instances.iter().map(|u| u.cost).collect(),
+            costs_at_profile,
+            recompute_share,
             instances: bytes,
             descs,
             layout,

@@ -77,11 +77,18 @@ impl Allocator {
         match f {
             Fidelity::Store => Some(0.0),
             Fidelity::Compress(c) => self.costs.codec_seconds(c, self.act_values(i)),
-            Fidelity::Recompute => self.costs.recompute_seconds(
-                self.instances[i].unit,
-                shape,
-                Some(self.costs_at_profile[i]),
-            ),
+            Fidelity::Recompute => {
+                let unit = self.instances[i].unit;
+                let t =
+                    self.costs
+                        .recompute_seconds(unit, shape, Some(self.costs_at_profile[i]))?;
+                // A unit's fit predicts its mean instance; the prior is per instance.
+                Some(if self.costs.is_measured(unit) {
+                    t * self.recompute_share[i]
+                } else {
+                    t
+                })
+            }
         }
     }
 

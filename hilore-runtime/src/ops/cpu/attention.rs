@@ -55,30 +55,39 @@ pub(crate) struct Span {
 /// One span per packed sequence of `packing`: causal attention within each sequence, and
 /// a continuation of a shared prefix ([`crate::Packing::with_shared_prefixes`]) attending
 /// to the prefix's rows (positions `0..P`) and then causally to its own (positions from
-/// `P`).
+/// `P`). The spans come group by group, each prefix followed by its continuations in
+/// packing order, wherever their rows lie (one group after another, or every prefix
+/// first): the order in which the backward sums a prefix's `dK`, `dV`.
 pub(crate) fn packing_spans(packing: &crate::Packing) -> Vec<Span> {
     let offsets = packing.offsets();
+    let n = packing.num_sequences();
     let run = |i: usize, pos: usize| Run {
         row: offsets[i],
         pos,
         len: offsets[i + 1] - offsets[i],
     };
-    (0..packing.num_sequences())
-        .map(|i| match packing.prefix_of(i) {
-            None => Span {
-                queries: run(i, 0),
-                keys: vec![run(i, 0)],
-            },
-            Some(j) => {
-                let prefix = run(j, 0);
-                let own = run(i, prefix.len);
-                Span {
-                    queries: own,
-                    keys: vec![prefix, own],
-                }
-            }
-        })
-        .collect()
+    let mut continuations = vec![Vec::new(); n];
+    for i in 0..n {
+        if let Some(j) = packing.prefix_of(i) {
+            continuations[j].push(i);
+        }
+    }
+    let mut spans = Vec::with_capacity(n);
+    for j in (0..n).filter(|&j| packing.prefix_of(j).is_none()) {
+        let prefix = run(j, 0);
+        spans.push(Span {
+            queries: prefix,
+            keys: vec![prefix],
+        });
+        for &i in &continuations[j] {
+            let own = run(i, prefix.len);
+            spans.push(Span {
+                queries: own,
+                keys: vec![prefix, own],
+            });
+        }
+    }
+    spans
 }
 
 /// Head counts, head size, score scale and window.
