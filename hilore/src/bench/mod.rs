@@ -4,7 +4,8 @@
 //! Phases: (1) draw a GRPO-like step (the measured one) and a calibration step; (2)
 //! profile one store-all pass (the simulator's record) and build the allocator; (3)
 //! calibrate recompute / codec times and `kappa` on the calibration step; (4) plan every
-//! policy; (5) run the policies interleaved (every microbatch of policy A, of B, ..., then
+//! policy (with an allocator per profile key of the step's microbatches: shared-prefix
+//! microbatches of other prompt rows save other bytes per unit instance, each is profiled); (5) run the policies interleaved (every microbatch of policy A, of B, ..., then
 //! again), several repetitions; (6) optionally sweep the memory budget and the risk
 //! target; (7) print the table, write JSON and SVG charts.
 
@@ -241,8 +242,41 @@ pub fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
         allocator.risk.additivity_ratio.unwrap_or(f64::NAN)
     );
 
+    // Byte figures are exact per profile key (the rows and, with every prompt first, the
+    // prompt rows, which differ between shared microbatches): an allocator per key of the
+    // step, each with the calibrated costs and risk.
+    let mut allocs: Vec<Allocator> = Vec::new();
+    let mut keys = Vec::new();
+    let mut of = Vec::with_capacity(mbs.len());
+    for (i, m) in mbs.iter().enumerate() {
+        let key = m.input.shape.profile_key();
+        let k = match keys.iter().position(|&x| x == key) {
+            Some(k) => k,
+            None if i == 0 => {
+                allocs.push(allocator.clone());
+                keys.push(key);
+                0
+            }
+            None => {
+                let (profile, instances) = BenchWorkload {
+                    model: &model,
+                    mbs: &mbs,
+                    bar: &indicatif::ProgressBar::hidden(),
+                }
+                .profile(i)?;
+                let mut a = Allocator::new(profile, &instances, state, &codecs)?;
+                a.costs = allocator.costs.clone();
+                a.risk = allocator.risk.clone();
+                allocs.push(a);
+                keys.push(key);
+                keys.len() - 1
+            }
+        };
+        of.push(k);
+    }
     let ctx = Ctx {
-        alloc: &allocator,
+        allocs: &allocs,
+        of,
         mbs: &mbs,
         codecs: codecs.clone(),
     };
@@ -270,11 +304,8 @@ pub fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
     let policies = plan_all(budget_bytes, args.target_rel_l2, &Kind::ALL)?;
     let reference = match (&unshared_allocator, &unshared_mbs) {
         (Some(a), Some(u)) => {
-            let ctx = Ctx {
-                alloc: a,
-                mbs: u,
-                codecs: codecs.clone(),
-            };
+            // The unshared microbatches all have the same rows and no prompt rows.
+            let ctx = Ctx::single(a, u, codecs.clone());
             let plan = |k: Kind| ctx.plan(k, budget_bytes, args.target_rel_l2);
             Some(UnsharedReference {
                 mbs: u,

@@ -82,23 +82,60 @@ pub(super) struct Planned {
     pub(super) note: String,
 }
 
+/// The step's microbatches and their allocators: one per profile key
+/// ([`hilore_runtime::allocator::MicrobatchShape::profile_key`]: the rows and, with every
+/// prompt first, the prompt rows), whose byte figures are exact for its microbatches.
 pub(super) struct Ctx<'a> {
-    pub(super) alloc: &'a Allocator,
+    pub(super) allocs: &'a [Allocator],
+    /// Microbatch `i`'s allocator: `allocs[of[i]]`.
+    pub(super) of: Vec<usize>,
     pub(super) mbs: &'a [Microbatch],
     pub(super) codecs: Vec<&'static str>,
 }
 
-impl Ctx<'_> {
-    pub(super) fn fixed(&self, plan: Plan) -> anyhow::Result<Planned> {
-        let p = self.alloc.simulate_peak(&plan)?;
+impl<'a> Ctx<'a> {
+    /// One allocator for every microbatch (all of one profile key).
+    pub(super) fn single(
+        alloc: &'a Allocator,
+        mbs: &'a [Microbatch],
+        codecs: Vec<&'static str>,
+    ) -> Self {
+        Ctx {
+            allocs: std::slice::from_ref(alloc),
+            of: vec![0; mbs.len()],
+            mbs,
+            codecs,
+        }
+    }
+
+    fn alloc(&self, i: usize) -> &Allocator {
+        &self.allocs[self.of[i]]
+    }
+
+    /// Per-microbatch plans, each made by its allocator, and their exact peaks.
+    fn per_microbatch(
+        &self,
+        plan_of: impl Fn(&Allocator) -> anyhow::Result<Plan>,
+    ) -> anyhow::Result<Planned> {
+        let mut plans = Vec::with_capacity(self.mbs.len());
+        let mut peaks = Vec::with_capacity(self.mbs.len());
+        for i in 0..self.mbs.len() {
+            let plan = plan_of(self.alloc(i))?;
+            peaks.push(self.alloc(i).simulate_peak(&plan)?);
+            plans.push(plan);
+        }
         Ok(Planned {
-            plans: vec![plan; self.mbs.len()],
-            predicted_activation: vec![p; self.mbs.len()],
+            plans,
+            predicted_activation: peaks,
             predicted_risk: vec![None; self.mbs.len()],
             predicted_overhead_seconds: None,
             solve_seconds: 0.0,
             note: String::new(),
         })
+    }
+
+    pub(super) fn fixed(&self, plan: Plan) -> anyhow::Result<Planned> {
+        self.per_microbatch(|_| Ok(plan.clone()))
     }
 
     pub(super) fn plan(
@@ -107,7 +144,7 @@ impl Ctx<'_> {
         total_budget: usize,
         target: f64,
     ) -> anyhow::Result<Planned> {
-        let a = self.alloc;
+        let a = &self.allocs[0];
         let inputs: Vec<_> = self.mbs.iter().map(|m| m.input).collect();
         let step_exposure: f64 = inputs.iter().map(|m| m.exposure).sum();
         // The exposure-blind policies plan every microbatch at the step's mean exposure.
@@ -125,26 +162,30 @@ impl Ctx<'_> {
         let t0 = Instant::now();
         let decisions = match kind {
             Kind::StoreAll => return self.fixed(baselines::store_all()),
-            Kind::Gc => return self.fixed(baselines::gradient_checkpointing(a)),
+            Kind::Gc => return self.per_microbatch(|a| Ok(baselines::gradient_checkpointing(a))),
             Kind::CompressAll => return self.fixed(baselines::compress_all()?),
             Kind::Selective => {
-                let avail = a.activation_budget(total_budget).unwrap_or(0);
-                let found = baselines::selective_recompute(a, &SELECTIVE_RECOMPUTE_UNITS, avail)?;
-                let secs = t0.elapsed().as_secs_f64();
-                let Some((plan, _)) = found else {
-                    anyhow::bail!(
-                        "not even full recompute fits the budget of {total_budget} bytes"
-                    );
-                };
-                let note = plan.name().to_string();
-                let mut out = self.fixed(plan)?;
-                out.solve_seconds = secs;
-                out.note = note;
+                // The layers kept and units recomputed, found for each microbatch's profile.
+                let found = self.per_microbatch(|a| {
+                    let avail = a.activation_budget(total_budget).unwrap_or(0);
+                    match baselines::selective_recompute(a, &SELECTIVE_RECOMPUTE_UNITS, avail)? {
+                        Some((plan, _)) => Ok(plan),
+                        None => anyhow::bail!(
+                            "not even full recompute fits the budget of {total_budget} bytes"
+                        ),
+                    }
+                });
+                let mut out = found?;
+                let mut names: Vec<&str> = out.plans.iter().map(|p| p.name()).collect();
+                names.dedup();
+                out.note = names.join("; ");
+                out.solve_seconds = t0.elapsed().as_secs_f64();
                 return Ok(out);
             }
             Kind::BudgetedRecompute => inputs
                 .iter()
-                .map(|mb| baselines::budgeted_recompute(a, mb, total_budget))
+                .enumerate()
+                .map(|(i, mb)| baselines::budgeted_recompute(self.alloc(i), mb, total_budget))
                 .collect::<hilore_runtime::Result<Vec<_>>>()?,
             Kind::AdaccStyle => {
                 // Equal shares whose squares add up to the step's budget (microbatch
@@ -152,14 +193,49 @@ impl Ctx<'_> {
                 let share = risk_budget / (inputs.len() as f64).sqrt();
                 inputs
                     .iter()
-                    .map(|mb| {
-                        baselines::adacc_style(a, mb, total_budget, share, mean, &self.codecs)
+                    .enumerate()
+                    .map(|(i, mb)| {
+                        baselines::adacc_style(
+                            self.alloc(i),
+                            mb,
+                            total_budget,
+                            share,
+                            mean,
+                            &self.codecs,
+                        )
                     })
                     .collect::<hilore_runtime::Result<Vec<_>>>()?
             }
-            Kind::Hilore => a.plan_step(&inputs, total_budget, risk_budget, &full, None)?,
-            Kind::HiloreBlind => {
-                a.plan_step(&inputs, total_budget, risk_budget, &full, Some(mean))?
+            Kind::Hilore | Kind::HiloreBlind => {
+                let assumed = (kind == Kind::HiloreBlind).then_some(mean);
+                // One solve per allocator, the step's risk budget shared by exposure in
+                // quadrature (as the training loop's allocator shares it among sizes).
+                let step_sq: f64 = exposures.iter().map(|e| e * e).sum();
+                let mut out: Vec<Option<hilore_runtime::allocator::Decision>> =
+                    vec![None; inputs.len()];
+                for (k, alloc) in self.allocs.iter().enumerate() {
+                    let members: Vec<usize> =
+                        (0..inputs.len()).filter(|&i| self.of[i] == k).collect();
+                    if members.is_empty() {
+                        continue;
+                    }
+                    let sq: f64 = members.iter().map(|&i| exposures[i].powi(2)).sum();
+                    let share = if self.allocs.len() == 1 {
+                        risk_budget
+                    } else if step_sq > 0.0 {
+                        risk_budget * (sq / step_sq).sqrt()
+                    } else {
+                        risk_budget
+                    };
+                    let mbs: Vec<MicrobatchInput> = members.iter().map(|&i| inputs[i]).collect();
+                    let ds = alloc.plan_step(&mbs, total_budget, share, &full, assumed)?;
+                    for (&i, d) in members.iter().zip(ds) {
+                        out[i] = Some(d);
+                    }
+                }
+                out.into_iter()
+                    .map(|d| d.expect("every microbatch has an allocator"))
+                    .collect()
             }
         };
         let secs = t0.elapsed().as_secs_f64();
