@@ -196,7 +196,12 @@ impl OnlineAllocator {
             calibrated: self.calibrated,
             costs: self.costs.clone(),
             risk: RiskState::from(&self.risk),
-            profiled_tokens: self.by_shape.keys().map(|k| k.0).collect(),
+            profiled_tokens: {
+                // Keys are sorted by rows first; one entry per size.
+                let mut t: Vec<usize> = self.by_shape.keys().map(|k| k.0).collect();
+                t.dedup();
+                t
+            },
         }
     }
 
