@@ -363,72 +363,120 @@ impl DecoderLayer {
         cx.rms_norm(x, &self.post_attention_layernorm, self.dims.eps)
     }
 
-    /// Unit `layer`: the whole layer, made of the seven units above. It records no op of
-    /// its own that saves anything; as Recompute it is classic per-layer gradient
-    /// checkpointing: after the forward only its input `x` (and the batch's shared
-    /// positions and RoPE tables) is kept, and backward re-runs the layer, each inner unit
-    /// with its own fidelity.
-    ///
-    /// On a shared-prefix layout with every prompt first
-    /// ([`Packing::shared_prefix_rows`]) each row-wise unit runs twice, on the prompts'
-    /// rows and then on the responses' rows, so it has a prompt instance and a response
-    /// instance per layer (calls `2 l` and `2 l + 1` of layer `l`), which the allocator
-    /// plans apart: a prompt row's saved state is read by the backward of every response
-    /// of its group. The two parts meet in `attn_core`, whose instance covers both.
-    #[recovery_unit(name = "layer", cost = self.dims.layer_cost(x.dim(0)?, packing.sum_sq_lengths()), deterministic)]
-    pub fn forward(
-        &self,
-        cx: &mut Cx,
-        x: &Var,
-        packing: &Packing,
-        rope: &RopeTables,
-    ) -> Result<Var> {
-        if let Some(prompt_rows) = packing.shared_prefix_rows() {
-            return self.forward_split(cx, x, prompt_rows, packing, rope);
-        }
-        let h = self.attn_norm(cx, x)?;
-        let (q, k, v) = self.self_attn.qkv(cx, &h, rope)?;
-        let o = self.self_attn.core(cx, &q, &k, &v, packing)?;
-        let x = self.self_attn.out(cx, &o, x)?;
-        let h = self.mlp_norm(cx, &x)?;
-        let a = self.mlp.gate_up(cx, &h)?;
-        self.mlp.down(cx, &a, &x)
-    }
-
-    /// [`DecoderLayer::forward`] with rows `..prompt_rows` (the prompts') and the rest
-    /// (the responses') through each row-wise unit apart, each part in a storage of its
-    /// own ([`Cx::split_rows`]), so a unit's prompt instance saves only prompt rows.
-    fn forward_split<'m>(
+    /// The whole layer on the residual stream `x`: [`DecoderLayer::forward_rows`] on `x`
+    /// as one part, or, on a shared-prefix layout with every prompt first
+    /// ([`Packing::shared_prefix_rows`]), split into the prompts' and the responses' rows
+    /// and concatenated again (a stack of layers splits once, [`Decoder::token_logprobs`]).
+    pub fn forward<'m>(
         &'m self,
         cx: &mut Cx<'m>,
         x: &Var,
-        prompt_rows: usize,
         packing: &Packing,
         rope: &RopeTables,
     ) -> Result<Var> {
-        let n = x.dim(0)?;
-        let r = n - prompt_rows;
-        let (xp, xr) = cx.split_rows(x, prompt_rows)?;
-        let (rope_p, rope_r) = (rope.rows(0, prompt_rows)?, rope.rows(prompt_rows, r)?);
-        let hp = self.attn_norm(cx, &xp)?;
-        let hr = self.attn_norm(cx, &xr)?;
-        let (qp, kp, vp) = self.self_attn.qkv(cx, &hp, &rope_p)?;
-        let (qr, kr, vr) = self.self_attn.qkv(cx, &hr, &rope_r)?;
-        let q = cx.cat(&[&qp, &qr], 0)?;
-        let k = cx.cat(&[&kp, &kr], 0)?;
-        let v = cx.cat(&[&vp, &vr], 0)?;
-        let o = self.self_attn.core(cx, &q, &k, &v, packing)?;
-        let op = cx.narrow(&o, 0, 0, prompt_rows)?;
-        let or = cx.narrow(&o, 0, prompt_rows, r)?;
-        let xp = self.self_attn.out(cx, &op, &xp)?;
-        let xr = self.self_attn.out(cx, &or, &xr)?;
-        let hp = self.mlp_norm(cx, &xp)?;
-        let hr = self.mlp_norm(cx, &xr)?;
-        let ap = self.mlp.gate_up(cx, &hp)?;
-        let ar = self.mlp.gate_up(cx, &hr)?;
-        let yp = self.mlp.down(cx, &ap, &xp)?;
-        let yr = self.mlp.down(cx, &ar, &xr)?;
-        cx.cat(&[&yp, &yr], 0)
+        let parts = stream_parts(cx, x, packing)?;
+        let y = self.forward_rows(cx, &parts, packing, rope)?;
+        join_parts(cx, y)
+    }
+
+    /// Unit `layer`: the whole layer, made of the seven units above, on the residual
+    /// stream in row parts: one part (every row), or, on a shared-prefix layout with every
+    /// prompt first ([`Packing::shared_prefix_rows`]), two: the prompts' rows and the
+    /// responses' rows, each in a storage of its own ([`stream_parts`]); the output has the
+    /// input's parts. It records no op of its own that saves anything; as Recompute it is
+    /// classic per-layer gradient checkpointing: after the forward only its input parts
+    /// (and the batch's shared positions and RoPE tables) are kept, and backward re-runs
+    /// the layer, each inner unit with its own fidelity.
+    ///
+    /// With two parts each row-wise unit runs twice, on the prompts' rows and then on the
+    /// responses' rows, so it has a prompt instance and a response instance per layer
+    /// (calls `2 l` and `2 l + 1` of layer `l`), which the allocator plans apart: a prompt
+    /// row's saved state is read by the backward of every response of its group. The two
+    /// parts meet in `attn_core`, whose instance covers both. The stream stays in its parts
+    /// from layer to layer, so the split costs one copy of q, k and v per layer and none of
+    /// the stream.
+    #[recovery_unit(name = "layer", cost = self.dims.layer_cost(rows_of(x)?, packing.sum_sq_lengths()), deterministic)]
+    pub fn forward_rows(
+        &self,
+        cx: &mut Cx,
+        x: &[Var],
+        packing: &Packing,
+        rope: &RopeTables,
+    ) -> Result<Vec<Var>> {
+        match x {
+            [x] => {
+                let h = self.attn_norm(cx, x)?;
+                let (q, k, v) = self.self_attn.qkv(cx, &h, rope)?;
+                let o = self.self_attn.core(cx, &q, &k, &v, packing)?;
+                let x = self.self_attn.out(cx, &o, x)?;
+                let h = self.mlp_norm(cx, &x)?;
+                let a = self.mlp.gate_up(cx, &h)?;
+                Ok(vec![self.mlp.down(cx, &a, &x)?])
+            }
+            [xp, xr] => {
+                let (p, r) = (xp.dim(0)?, xr.dim(0)?);
+                if packing.shared_prefix_rows() != Some(p) {
+                    return Err(Error::Tape(format!(
+                        "layer: the residual stream comes in parts of {p} and {r} rows, but the packing's prompts end at row {:?}; split it with stream_parts",
+                        packing.shared_prefix_rows()
+                    )));
+                }
+                let (rope_p, rope_r) = (rope.rows(0, p)?, rope.rows(p, r)?);
+                let hp = self.attn_norm(cx, xp)?;
+                let hr = self.attn_norm(cx, xr)?;
+                let (qp, kp, vp) = self.self_attn.qkv(cx, &hp, &rope_p)?;
+                let (qr, kr, vr) = self.self_attn.qkv(cx, &hr, &rope_r)?;
+                let q = cx.cat(&[&qp, &qr], 0)?;
+                let k = cx.cat(&[&kp, &kr], 0)?;
+                let v = cx.cat(&[&vp, &vr], 0)?;
+                let o = self.self_attn.core(cx, &q, &k, &v, packing)?;
+                let op = cx.narrow(&o, 0, 0, p)?;
+                let or = cx.narrow(&o, 0, p, r)?;
+                let xp = self.self_attn.out(cx, &op, xp)?;
+                let xr = self.self_attn.out(cx, &or, xr)?;
+                let hp = self.mlp_norm(cx, &xp)?;
+                let hr = self.mlp_norm(cx, &xr)?;
+                let ap = self.mlp.gate_up(cx, &hp)?;
+                let ar = self.mlp.gate_up(cx, &hr)?;
+                let yp = self.mlp.down(cx, &ap, &xp)?;
+                let yr = self.mlp.down(cx, &ar, &xr)?;
+                Ok(vec![yp, yr])
+            }
+            _ => Err(Error::Tape(format!(
+                "layer: the residual stream comes in {} parts; it takes one (every row) or two (the prompts' rows, the responses' rows)",
+                x.len()
+            ))),
+        }
+    }
+}
+
+/// Rows of the residual stream given in parts.
+fn rows_of(x: &[Var]) -> Result<usize> {
+    x.iter().map(|v| v.dim(0)).sum()
+}
+
+/// The residual stream `x` in the parts [`DecoderLayer::forward_rows`] takes: `x` whole,
+/// or, on a shared-prefix layout with every prompt first, its prompt rows and its
+/// response rows, each copied into a storage of its own ([`Cx::split_rows`]), so a unit's
+/// prompt instance saves only prompt rows.
+pub fn stream_parts(cx: &mut Cx, x: &Var, packing: &Packing) -> Result<Vec<Var>> {
+    Ok(match packing.shared_prefix_rows() {
+        Some(p) => {
+            let (xp, xr) = cx.split_rows(x, p)?;
+            vec![xp, xr]
+        }
+        None => vec![x.clone()],
+    })
+}
+
+/// The residual stream in parts, joined back into one `[N, hidden]`.
+fn join_parts(cx: &mut Cx, mut parts: Vec<Var>) -> Result<Var> {
+    match parts.len() {
+        1 => Ok(parts.pop().expect("one part")),
+        _ => {
+            let refs: Vec<&Var> = parts.iter().collect();
+            cx.cat(&refs, 0)
+        }
     }
 }
 
@@ -771,6 +819,23 @@ impl Decoder {
         )
     }
 
+    /// Every layer on the embedded rows `x`: the stream split into its parts once
+    /// ([`stream_parts`]), through the layers in those parts, joined after the last.
+    fn layers_forward<'m>(
+        &'m self,
+        cx: &mut Cx<'m>,
+        x: Var,
+        packing: &Packing,
+        rope: &RopeTables,
+    ) -> Result<Var> {
+        let mut parts = stream_parts(cx, &x, packing)?;
+        drop(x);
+        for layer in &self.layers {
+            parts = layer.forward_rows(cx, &parts, packing, rope)?;
+        }
+        join_parts(cx, parts)
+    }
+
     /// Per-token log-probs `[N]` of `batch.targets`: embedding, the layers, the head, each
     /// a recovery unit whose fidelity comes from `cx`'s plan. With [`Cx::inference`] the
     /// same code only computes.
@@ -778,10 +843,8 @@ impl Decoder {
         let rope = self.check_batch(batch)?;
         let ids = Var::constant(batch.inputs.clone());
         let targets = Var::constant(batch.targets.clone());
-        let mut x = self.embed(cx, &ids)?;
-        for layer in &self.layers {
-            x = layer.forward(cx, &x, &batch.packing, rope)?;
-        }
+        let x = self.embed(cx, &ids)?;
+        let mut x = self.layers_forward(cx, x, &batch.packing, rope)?;
         if let Some(rows) = &batch.logprob_rows {
             // Shared prefixes: the row predicting each target (a prompt's last row once
             // per response); the backward sums a row's uses in a fixed order.
@@ -797,10 +860,8 @@ impl Decoder {
     pub fn logits<'m>(&'m self, cx: &mut Cx<'m>, batch: &TokenBatch) -> Result<Var> {
         let rope = self.check_batch(batch)?;
         let ids = Var::constant(batch.inputs.clone());
-        let mut x = self.embed(cx, &ids)?;
-        for layer in &self.layers {
-            x = layer.forward(cx, &x, &batch.packing, rope)?;
-        }
+        let x = self.embed(cx, &ids)?;
+        let x = self.layers_forward(cx, x, &batch.packing, rope)?;
         let h = cx.rms_norm(&x, &self.norm, self.dims.eps)?;
         cx.linear(&h, self.head_weight(), None)
     }
