@@ -70,10 +70,7 @@ pub fn calibrate(
     let mut report = CalibrationReport::default();
     let inputs: Vec<MicrobatchInput> = mbs.iter().map(|&i| w.input(i)).collect();
     // Units by name, with their instances and what they offer.
-    let mut units: BTreeMap<&'static str, Vec<usize>> = BTreeMap::new();
-    for (i, b) in alloc.instances().iter().enumerate() {
-        units.entry(b.unit).or_default().push(i);
-    }
+    let units = units_of(alloc);
     let mut exact = Vec::with_capacity(mbs.len());
     let mut sum_grad: Vec<f64> = Vec::new();
     let mut fwd = 0.0;
@@ -118,41 +115,7 @@ pub fn calibrate(
         .filter(|(_, idx)| alloc.descriptor(idx[0]).offers(Fidelity::Recompute))
         .map(|(u, _)| *u)
         .collect();
-    // A compress pass per class of a unit (its instances of equal cost at the profile)
-    // and codec: (unit, label, the class's instances, codec, values).
-    let mut compress: Vec<(&'static str, String, Vec<usize>, &'static str, usize)> = Vec::new();
-    for (&unit, idx) in &units {
-        let mut classes: BTreeMap<u64, Vec<usize>> = BTreeMap::new();
-        for &i in idx {
-            classes
-                .entry(alloc.cost_at_profile(i).to_bits())
-                .or_default()
-                .push(i);
-        }
-        let several = classes.len() > 1;
-        for (cost, members) in classes {
-            let values: usize = members
-                .iter()
-                .map(|&i| alloc.instances()[i].own_act_elems.iter().sum::<usize>())
-                .sum();
-            if values == 0 {
-                continue;
-            }
-            let label = if several {
-                format!("{unit} [cost {}]", f64::from_bits(cost))
-            } else {
-                unit.to_string()
-            };
-            for &codec in codecs {
-                if alloc
-                    .descriptor(members[0])
-                    .offers(Fidelity::Compress(codec))
-                {
-                    compress.push((unit, label.clone(), members.clone(), codec, values));
-                }
-            }
-        }
-    }
+    let compress = compress_passes(alloc, &units, codecs);
     // On the kappa microbatch a compress pass also times one recompute (of a unit that
     // neither encloses nor is enclosed by the compressed one, so the two timings do not
     // overlap; recompute is exact, so the gradient error is the compression's alone).
@@ -292,6 +255,79 @@ pub fn calibrate(
         }
     }
     Ok(report)
+}
+
+/// A compress pass of calibration: (unit, label, the class's instances, codec, values).
+type CompressPass = (&'static str, String, Vec<usize>, &'static str, usize);
+
+/// The units of `alloc` by name, with their instances.
+fn units_of(alloc: &Allocator) -> BTreeMap<&'static str, Vec<usize>> {
+    let mut units: BTreeMap<&'static str, Vec<usize>> = BTreeMap::new();
+    for (i, b) in alloc.instances().iter().enumerate() {
+        units.entry(b.unit).or_default().push(i);
+    }
+    units
+}
+
+/// A compress pass per class of a unit (its instances of equal cost at the profile) and
+/// codec the unit offers, for units with activation slots.
+fn compress_passes(
+    alloc: &Allocator,
+    units: &BTreeMap<&'static str, Vec<usize>>,
+    codecs: &[&'static str],
+) -> Vec<CompressPass> {
+    let mut compress: Vec<CompressPass> = Vec::new();
+    for (&unit, idx) in units {
+        let mut classes: BTreeMap<u64, Vec<usize>> = BTreeMap::new();
+        for &i in idx {
+            classes
+                .entry(alloc.cost_at_profile(i).to_bits())
+                .or_default()
+                .push(i);
+        }
+        let several = classes.len() > 1;
+        for (cost, members) in classes {
+            let values: usize = members
+                .iter()
+                .map(|&i| alloc.instances()[i].own_act_elems.iter().sum::<usize>())
+                .sum();
+            if values == 0 {
+                continue;
+            }
+            let label = if several {
+                format!("{unit} [cost {}]", f64::from_bits(cost))
+            } else {
+                unit.to_string()
+            };
+            for &codec in codecs {
+                if alloc
+                    .descriptor(members[0])
+                    .offers(Fidelity::Compress(codec))
+                {
+                    compress.push((unit, label.clone(), members.clone(), codec, values));
+                }
+            }
+        }
+    }
+    compress
+}
+
+/// The passes [`calibrate`] runs on `mbs` microbatches with `codecs` (for a progress
+/// bar): the exact passes, a compress pass per class and codec (each timing one recompute
+/// on the kappa microbatch), at most one additivity pass per codec, and the recompute
+/// timings left.
+pub fn calibration_passes(alloc: &Allocator, mbs: usize, codecs: &[&'static str]) -> usize {
+    let units = units_of(alloc);
+    let compress = compress_passes(alloc, &units, codecs);
+    let recomputable = units
+        .values()
+        .filter(|idx| alloc.descriptor(idx[0]).offers(Fidelity::Recompute))
+        .count();
+    let additivity = codecs
+        .iter()
+        .filter(|c| compress.iter().any(|p| p.3 == **c))
+        .count();
+    mbs + compress.len() + additivity + recomputable * mbs - recomputable.min(compress.len())
 }
 
 /// The shape and exposure of a microbatch from its packing offsets and coefficients.

@@ -41,7 +41,9 @@ pub mod solver;
 mod workload;
 
 pub use budget::{MemoryBudget, StateBytes, DEFAULT_BUDGET_FACTOR};
-pub use calibrate::{calibrate, microbatch_input, CalibrationReport, PassResult};
+pub use calibrate::{
+    calibrate, calibration_passes, microbatch_input, CalibrationReport, PassResult,
+};
 pub use costs::{CostModel, MicrobatchShape};
 pub use online::{AllocatorState, OnlineAllocator, RiskState, StepPlan};
 pub use planner::{baselines, Allocator, Decision, MicrobatchInput, Offer};

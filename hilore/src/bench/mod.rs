@@ -32,7 +32,9 @@ use candle_core::Device;
 use hilore_models::Decoder;
 use hilore_runtime::allocator::baselines;
 use hilore_runtime::allocator::Workload;
-use hilore_runtime::allocator::{calibrate, Allocator, MemoryBudget, StateBytes};
+use hilore_runtime::allocator::{
+    calibrate, calibration_passes, Allocator, MemoryBudget, StateBytes,
+};
 use std::process::ExitCode;
 use std::time::Instant;
 use workload::{grpo_step, Microbatch, StepSpec};
@@ -141,37 +143,10 @@ pub fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
 
     // Calibrate.
     let t_cal = Instant::now();
-    let recomputable = {
-        let mut names: Vec<&str> = allocator.instances().iter().map(|b| b.unit).collect();
-        names.sort();
-        names.dedup();
-        names
-            .iter()
-            .filter(|n| {
-                allocator
-                    .instances()
-                    .iter()
-                    .position(|b| b.unit == **n)
-                    .is_some_and(|i| allocator.descriptor(i).deterministic)
-            })
-            .count()
-    };
-    let compressible = {
-        let mut names: Vec<&str> = allocator
-            .instances()
-            .iter()
-            .filter(|b| !b.own_act_elems.is_empty())
-            .map(|b| b.unit)
-            .collect();
-        names.sort();
-        names.dedup();
-        names.len()
-    };
-    // Exact passes, compression passes (each also timing one recompute on the kappa
-    // microbatch), the remaining recompute timings.
-    let compress_passes = compressible * codecs.len();
-    let cal_passes = cal_mbs.len() + compress_passes + recomputable * cal_mbs.len()
-        - recomputable.min(compress_passes);
+    // Exact passes, a compression pass per class of a unit and codec (each also timing one
+    // recompute on the kappa microbatch), additivity, the remaining recompute timings; then
+    // the held-out step's passes.
+    let cal_passes = calibration_passes(&allocator, cal_mbs.len(), &codecs);
     let cal_bar = bar(cal_passes + 3 * norm_step.len(), "calibrating");
     let cal_report = {
         let mut runner = BenchWorkload {
