@@ -924,6 +924,40 @@ impl Decoder {
 mod tests {
     use super::*;
 
+    /// The `layer` unit takes the residual stream in the parts the packing implies: one
+    /// part on a packing without shared prefixes; two or three parts there are an error
+    /// that names the layout, not a panic.
+    #[test]
+    fn layer_rejects_parts_the_packing_does_not_have() {
+        let cfg = DecoderConfig {
+            num_hidden_layers: 1,
+            ..DecoderConfig::tiny()
+        };
+        let device = Device::Cpu;
+        let model = Decoder::random(&cfg, 3, &device).unwrap();
+        let packing = Packing::new(&[3, 2], &device).unwrap();
+        let positions: Vec<u32> = packing.positions().to_vec1().unwrap();
+        let rope = cfg.rope_tables(&positions, DType::F32, &device).unwrap();
+        let rows = |n: usize| {
+            Var::constant(Tensor::zeros((n, cfg.hidden_size), DType::F32, &device).unwrap())
+        };
+        let layer = &model.layers()[0];
+        let mut cx = Cx::inference();
+        let one = layer
+            .forward_rows(&mut cx, &[rows(5)], &packing, &rope)
+            .unwrap();
+        assert_eq!(one.len(), 1);
+        assert_eq!(one[0].dims(), [5, cfg.hidden_size]);
+        let two = layer.forward_rows(&mut cx, &[rows(3), rows(2)], &packing, &rope);
+        let err = two
+            .expect_err("two parts on an unshared packing")
+            .to_string();
+        assert!(err.contains("parts of 3 and 2 rows"), "{err}");
+        let three = layer.forward_rows(&mut cx, &[rows(2), rows(2), rows(1)], &packing, &rope);
+        let err = three.expect_err("three parts").to_string();
+        assert!(err.contains("3 parts"), "{err}");
+    }
+
     /// The parameter list a config implies (read by the weight loader and the exporter
     /// without building a model) is the built model's, name for name and shape for shape,
     /// in every architecture variant that adds or removes parameters.

@@ -110,11 +110,7 @@ pub fn calibrate(
         .set_prior(fwd / mbs.len().max(1) as f64, top_cost);
 
     // Units that may be recomputed; units with activation slots x codecs.
-    let recomputable: Vec<&'static str> = units
-        .iter()
-        .filter(|(_, idx)| alloc.descriptor(idx[0]).offers(Fidelity::Recompute))
-        .map(|(u, _)| *u)
-        .collect();
+    let recomputable = recomputable_units(alloc, &units);
     let compress = compress_passes(alloc, &units, codecs);
     // On the kappa microbatch a compress pass also times one recompute (of a unit that
     // neither encloses nor is enclosed by the compressed one, so the two timings do not
@@ -269,6 +265,18 @@ fn units_of(alloc: &Allocator) -> BTreeMap<&'static str, Vec<usize>> {
     units
 }
 
+/// The units that may be recomputed.
+fn recomputable_units(
+    alloc: &Allocator,
+    units: &BTreeMap<&'static str, Vec<usize>>,
+) -> Vec<&'static str> {
+    units
+        .iter()
+        .filter(|(_, idx)| alloc.descriptor(idx[0]).offers(Fidelity::Recompute))
+        .map(|(u, _)| *u)
+        .collect()
+}
+
 /// A compress pass per class of a unit (its instances of equal cost at the profile) and
 /// codec the unit offers, for units with activation slots.
 fn compress_passes(
@@ -319,10 +327,7 @@ fn compress_passes(
 pub fn calibration_passes(alloc: &Allocator, mbs: usize, codecs: &[&'static str]) -> usize {
     let units = units_of(alloc);
     let compress = compress_passes(alloc, &units, codecs);
-    let recomputable = units
-        .values()
-        .filter(|idx| alloc.descriptor(idx[0]).offers(Fidelity::Recompute))
-        .count();
+    let recomputable = recomputable_units(alloc, &units).len();
     let additivity = codecs
         .iter()
         .filter(|c| compress.iter().any(|p| p.3 == **c))
