@@ -100,7 +100,13 @@ impl ProfRec {
     }
 
     pub(crate) fn into_profile(self) -> Profile {
+        let mut slot_start = Vec::with_capacity(self.nodes.len() + 1);
+        slot_start.push(0);
+        for n in &self.nodes {
+            slot_start.push(slot_start[slot_start.len() - 1] + n.slots.len());
+        }
         Profile {
+            slot_start,
             buf_bytes: self.buf_bytes,
             nodes: self.nodes,
             units: self.units,
@@ -114,6 +120,9 @@ impl ProfRec {
 /// The record of one profiled forward+backward; see the module docs.
 #[derive(Debug, Clone)]
 pub struct Profile {
+    /// Where node `i`'s slots start in a simulation's flat slot list (`[nodes]` is the
+    /// total).
+    slot_start: Vec<usize>,
     buf_bytes: Vec<usize>,
     nodes: Vec<NodeProf>,
     units: Vec<UnitProf>,
@@ -185,18 +194,96 @@ struct SimUnit {
     tid_map: FastMap<usize, Key>,
 }
 
+/// Reference counts and bytes of the storages and encodings alive: `(count, bytes)`, a
+/// count of 0 meaning absent. The forward's own storages and the fresh keys (encodings,
+/// decoded copies) are indexed directly; only storages a recompute re-creates are hashed.
+struct Refs {
+    buf0: Vec<(usize, usize)>,
+    fresh: Vec<(usize, usize)>,
+    other: FastMap<Key, (usize, usize)>,
+}
+
+impl Refs {
+    fn new(bufs: usize) -> Self {
+        Refs {
+            buf0: vec![(0, 0); bufs],
+            fresh: Vec::new(),
+            other: FastMap::default(),
+        }
+    }
+
+    /// The entry of `k`, created absent.
+    fn entry(&mut self, k: Key) -> &mut (usize, usize) {
+        match k {
+            Key::Buf(0, b) => &mut self.buf0[b],
+            Key::Fresh(n) => {
+                if self.fresh.len() <= n {
+                    self.fresh.resize(n + 1, (0, 0));
+                }
+                &mut self.fresh[n]
+            }
+            k => self.other.entry(k).or_insert((0, 0)),
+        }
+    }
+
+    /// Adds a reference to `k` (of `bytes` if absent); the bytes it adds, if it was absent.
+    fn add(&mut self, k: Key, bytes: usize) -> Option<usize> {
+        let e = self.entry(k);
+        if e.0 == 0 {
+            e.1 = bytes;
+        }
+        e.0 += 1;
+        (e.0 == 1).then_some(e.1)
+    }
+
+    /// Drops a reference to `k`; the bytes it frees, if that was the last one.
+    fn release(&mut self, k: Key) -> Option<usize> {
+        let e = match k {
+            Key::Buf(0, b) => &mut self.buf0[b],
+            Key::Fresh(n) => self.fresh.get_mut(n)?,
+            k => {
+                let e = self.other.get_mut(&k)?;
+                e.0 -= 1;
+                if e.0 > 0 {
+                    return None;
+                }
+                let bytes = e.1;
+                self.other.remove(&k);
+                return Some(bytes);
+            }
+        };
+        if e.0 == 0 {
+            return None;
+        }
+        e.0 -= 1;
+        (e.0 == 0).then_some(e.1)
+    }
+
+    fn contains(&self, k: Key) -> bool {
+        match k {
+            Key::Buf(0, b) => self.buf0[b].0 > 0,
+            Key::Fresh(n) => self.fresh.get(n).is_some_and(|e| e.0 > 0),
+            k => self.other.contains_key(&k),
+        }
+    }
+}
+
 struct Sim<'p> {
     p: &'p Profile,
     /// Every instance's fidelity under the plan.
     fids: &'p [Fidelity],
-    refs: FastMap<Key, (usize, usize)>,
+    refs: Refs,
     saved: usize,
     agrad: usize,
     peak: usize,
     fresh: usize,
     gen: u32,
     ctx: Vec<(u32, usize)>,
-    slots: Vec<Vec<SimSlot>>,
+    /// Every node's slots, flat ([`Profile::slot_start`]); meaningful while it is held.
+    slots: Vec<SimSlot>,
+    /// Whether node `i` holds its slots (saved in the forward, or again by a recompute,
+    /// and not yet released).
+    held: Vec<bool>,
     units: Vec<SimUnit>,
     encodings: FastMap<(Key, &'static str), Key>,
     recomputes: usize,
@@ -205,21 +292,15 @@ struct Sim<'p> {
 
 impl Sim<'_> {
     fn add(&mut self, k: Key, bytes: usize) {
-        let e = self.refs.entry(k).or_insert((0, bytes));
-        e.0 += 1;
-        if e.0 == 1 {
-            self.saved += e.1;
+        if let Some(b) = self.refs.add(k, bytes) {
+            self.saved += b;
             self.peak = self.peak.max(self.saved + self.agrad);
         }
     }
 
     fn release(&mut self, k: Key) {
-        if let Some(e) = self.refs.get_mut(&k) {
-            e.0 -= 1;
-            if e.0 == 0 {
-                self.saved -= e.1;
-                self.refs.remove(&k);
-            }
+        if let Some(b) = self.refs.release(k) {
+            self.saved -= b;
         }
     }
 
@@ -250,26 +331,37 @@ impl Sim<'_> {
         }
     }
 
+    /// Node `i`'s slots in the flat slot list, while it holds them (none otherwise).
+    fn node_slots(&self, i: usize) -> std::ops::Range<usize> {
+        if self.held[i] {
+            self.p.slot_start[i]..self.p.slot_start[i + 1]
+        } else {
+            0..0
+        }
+    }
+
     fn hold_node(&mut self, i: usize) {
-        let node = &self.p.nodes[i];
+        let p = self.p;
+        let node = &p.nodes[i];
         if !node.needs_grad {
             return;
         }
-        let mut slots = Vec::with_capacity(node.slots.len());
-        for s in &node.slots {
+        let start = p.slot_start[i];
+        for (j, s) in node.slots.iter().enumerate() {
             let k = self.resolve_buf(s.buf);
-            self.add(k, self.p.buf_bytes[s.buf]);
-            slots.push(SimSlot::Held(k));
+            self.add(k, p.buf_bytes[s.buf]);
+            self.slots[start + j] = SimSlot::Held(k);
         }
-        self.slots[i] = slots;
+        self.held[i] = true;
     }
 
     fn release_node(&mut self, i: usize) {
-        for s in std::mem::take(&mut self.slots[i]) {
-            match s {
+        for j in self.node_slots(i) {
+            match self.slots[j] {
                 SimSlot::Held(k) | SimSlot::Enc(k) => self.release(k),
             }
         }
+        self.held[i] = false;
     }
 
     fn release_inputs(&mut self, u: usize) {
@@ -292,9 +384,10 @@ impl Sim<'_> {
                     if self.p.nodes[i].unit != Some(u) {
                         continue;
                     }
-                    for s in 0..self.slots[i].len() {
-                        let sp = &self.p.nodes[i].slots[s];
-                        let SimSlot::Held(k) = self.slots[i][s] else {
+                    let base = self.p.slot_start[i];
+                    for j in self.node_slots(i) {
+                        let sp = &self.p.nodes[i].slots[j - base];
+                        let SimSlot::Held(k) = self.slots[j] else {
                             continue;
                         };
                         if sp.kind != ProfKind::Act {
@@ -302,7 +395,7 @@ impl Sim<'_> {
                         }
                         let t = self.resolve_tid(sp.tid);
                         let enc = match self.encodings.get(&(t, codec.name())) {
-                            Some(e) if self.refs.contains_key(e) => *e,
+                            Some(e) if self.refs.contains(*e) => *e,
                             _ => {
                                 let e = self.fresh();
                                 self.encodings.insert((t, codec.name()), e);
@@ -311,7 +404,7 @@ impl Sim<'_> {
                         };
                         self.add(enc, codec.encoded_len(sp.elems));
                         self.release(k);
-                        self.slots[i][s] = SimSlot::Enc(enc);
+                        self.slots[j] = SimSlot::Enc(enc);
                     }
                 }
                 self.units[u].state = St::Encoded;
@@ -391,14 +484,15 @@ impl Sim<'_> {
                 if self.p.nodes[i].unit != Some(unit) {
                     continue;
                 }
-                for s in 0..self.slots[i].len() {
-                    let SimSlot::Enc(k) = self.slots[i][s] else {
+                let base = self.p.slot_start[i];
+                for j in self.node_slots(i) {
+                    let SimSlot::Enc(k) = self.slots[j] else {
                         continue;
                     };
                     let d = self.fresh();
-                    self.add(d, self.p.nodes[i].slots[s].decoded_bytes);
+                    self.add(d, self.p.nodes[i].slots[j - base].decoded_bytes);
                     self.release(k);
-                    self.slots[i][s] = SimSlot::Held(d);
+                    self.slots[j] = SimSlot::Held(d);
                 }
             }
             self.units[unit].state = St::Live;
@@ -463,6 +557,12 @@ impl Profile {
         self.units.len()
     }
 
+    /// Number of events a simulation replays: the forward's ops and unit closes and the
+    /// backward's steps (what a simulation's time grows with).
+    pub fn num_events(&self) -> usize {
+        self.events.len() + self.steps.len()
+    }
+
     /// Predicts the ledger peak of `plan` on the profiled forward+backward, exactly.
     pub fn simulate(&self, plan: &Plan) -> Result<Simulated> {
         let fids: Vec<Fidelity> = self
@@ -492,14 +592,15 @@ impl Profile {
         let mut sim = Sim {
             p: self,
             fids,
-            refs: FastMap::default(),
+            refs: Refs::new(self.buf_bytes.len()),
             saved: 0,
             agrad: 0,
             peak: 0,
             fresh: 0,
             gen: 0,
             ctx: Vec::new(),
-            slots: vec![Vec::new(); self.nodes.len()],
+            slots: vec![SimSlot::Held(Key::Fresh(0)); self.slot_start[self.nodes.len()]],
+            held: vec![false; self.nodes.len()],
             units: (0..self.units.len())
                 .map(|_| SimUnit {
                     state: St::Open,

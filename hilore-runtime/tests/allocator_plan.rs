@@ -435,3 +435,32 @@ fn infeasible_risk_names_the_least_risk_that_fits() {
         d.predicted_risk
     );
 }
+
+#[test]
+fn the_local_search_pays_for_its_simulations() {
+    // With simulations that cost nothing the exact searches run as far as their bound;
+    // priced above any time a change could save (1 s a simulation, against changes of
+    // milliseconds), the local search runs none, so the plan takes fewer simulations, and
+    // it still fits and is still measured as predicted.
+    let m = model(&Device::Cpu);
+    let free = allocator(&m);
+    let mut dear = allocator(&m);
+    dear.costs.simulation_seconds_per_event = Some(1.0 / dear.profile().num_events() as f64);
+    assert_eq!(dear.simulation_seconds(), 1.0);
+    let (least, _) = free.least_memory(&full()).unwrap();
+    let store = measured_peak(&m, &Plan::store_all());
+    let (mut free_checks, mut dear_checks) = (0, 0);
+    for k in 1..8 {
+        let budget = STATE.total() + least + (store - least) * k / 8;
+        let a = free.plan(&unit_exposure(), budget, 5e-3, &full()).unwrap();
+        let b = dear.plan(&unit_exposure(), budget, 5e-3, &full()).unwrap();
+        assert_eq!(measured_peak(&m, &b.plan), b.predicted_peak_bytes);
+        assert!(b.predicted_total_bytes <= budget && b.predicted_risk <= 5e-3);
+        free_checks += a.exact_checks;
+        dear_checks += b.exact_checks;
+    }
+    assert!(
+        dear_checks < free_checks,
+        "{dear_checks} simulations priced at 1 s, {free_checks} free"
+    );
+}

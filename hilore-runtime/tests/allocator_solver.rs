@@ -560,3 +560,88 @@ fn tr(p: &Problem, picks: &[Pick]) -> (f64, f64) {
     let (t, r, _) = p.totals(picks);
     (t, r)
 }
+
+/// A problem of `base`'s structure (the same groups and choices) whose choices' bytes and
+/// times differ by factors in [0.8, 1.2] and whose risks are scaled by `exposure^2`: the
+/// knapsack of a microbatch with a profile of its own (other prompt rows) in one step.
+fn perturbed(rng: &mut Rng, base: &Problem, exposure: f64) -> Problem {
+    let mut p = with_exposure(base, exposure);
+    let mut jiggle = |c: &mut Choice| {
+        c.bytes = (c.bytes as f64 * (0.8 + 0.4 * rng.unit())).round() as i64;
+        c.seconds *= 0.8 + 0.4 * rng.unit();
+    };
+    for g in &mut p.groups {
+        g.whole.iter_mut().for_each(&mut jiggle);
+        if let Some(o) = &mut g.opened {
+            o.parts.iter_mut().flatten().for_each(&mut jiggle);
+        }
+    }
+    p.capacity = p.min_bytes() + 200 + rng.below(1500) as i64;
+    p
+}
+
+#[test]
+fn one_frontier_for_knapsacks_of_one_structure() {
+    // Four microbatches whose knapsacks share a structure but not their bytes, times or
+    // capacities, in one class: the frontier is computed once and each member adds its
+    // own vertices. Every selection must fit its own capacity, the summed risk the
+    // budget (sums of four risks: 1e-12 relative slack), and the totals reported must be
+    // the member's own; the step must be infeasible exactly when a frontier per member
+    // finds it so (both reach each member's least-risk selection); and it must take
+    // fewer DP solves than a frontier per member.
+    let mut rng = Rng(55);
+    let solver = Solver {
+        buckets: 64,
+        ..Solver::default()
+    };
+    let (mut shared_solves, mut own_solves, mut steps) = (0, 0, 0);
+    let (mut shared_time, mut own_time) = (0.0, 0.0);
+    for _ in 0..150 {
+        let base = random_problem(&mut rng, true);
+        let exposures = [
+            0.0,
+            0.5 + rng.unit(),
+            2.0 + rng.unit(),
+            4.0 + 4.0 * rng.unit(),
+        ];
+        let problems: Vec<Problem> = exposures
+            .iter()
+            .map(|&e| perturbed(&mut rng, &base, e))
+            .collect();
+        let full: f64 = problems
+            .iter()
+            .map(|p| solver.solve_at(p, 0.0).unwrap().risk)
+            .sum();
+        let budget = full * rng.unit();
+        let shared = solver.solve_step_in_classes(&problems, budget, &[7; 4]);
+        let own = solver.solve_step_in_classes(&problems, budget, &[0, 1, 2, 3]);
+        let (shared, own) = match (shared, own) {
+            (Ok(s), Ok(o)) => (s, o),
+            (Err(Infeasible::Risk { .. }), Err(Infeasible::Risk { .. })) => continue,
+            (s, o) => panic!("shared {s:?}, own {o:?}"),
+        };
+        let sum: f64 = shared.selections.iter().map(|s| s.risk).sum();
+        assert!(sum <= budget * (1.0 + 1e-12) + 1e-300, "{sum} > {budget}");
+        for (p, s) in problems.iter().zip(&shared.selections) {
+            assert!(s.bytes <= p.capacity, "{} > {}", s.bytes, p.capacity);
+            let (t, r, b) = p.totals(&s.picks);
+            assert_eq!((t, r, b), (s.seconds, s.risk, s.bytes));
+        }
+        shared_solves += shared.solves;
+        own_solves += own.solves;
+        shared_time += shared.selections.iter().map(|s| s.seconds).sum::<f64>();
+        own_time += own.selections.iter().map(|s| s.seconds).sum::<f64>();
+        steps += 1;
+    }
+    assert!(steps > 50, "only {steps} feasible steps");
+    assert!(
+        shared_solves < own_solves,
+        "{shared_solves} DP solves with one frontier, {own_solves} with one per member"
+    );
+    // How much time sharing the frontier costs against a frontier per member: printed,
+    // not asserted (a property of the random problems, not a bound).
+    println!(
+        "one frontier / one per member: {shared_solves} / {own_solves} DP solves, summed time {:.4}",
+        shared_time / own_time
+    );
+}

@@ -55,6 +55,10 @@ pub struct CalibrationReport {
     pub passes: usize,
 }
 
+/// Simulations timed at calibration for
+/// [`CostModel::simulation_seconds_per_event`](super::costs::CostModel::simulation_seconds_per_event).
+const SIMULATION_TIMINGS: usize = 16;
+
 /// Calibrates `alloc`'s cost and risk models on microbatches `mbs` of `w` (indices; their
 /// shapes should differ in squared lengths so the attention fit is determined);
 /// `kappa_mb` (a position in `mbs`) is the one whose passes calibrate `kappa` and the
@@ -108,6 +112,22 @@ pub fn calibrate(
     alloc
         .costs
         .set_prior(fwd / mbs.len().max(1) as f64, top_cost);
+    // What one exact simulation costs the planner, per event of the profile: the mean of
+    // a few simulations of two plans at the ends of the range (every group recomputed,
+    // everything stored).
+    {
+        let plans = [
+            super::baselines::gradient_checkpointing(alloc),
+            Plan::store_all(),
+        ];
+        let t = std::time::Instant::now();
+        for k in 0..SIMULATION_TIMINGS {
+            alloc.simulate_peak(&plans[k % plans.len()])?;
+        }
+        let per = t.elapsed().as_secs_f64() / SIMULATION_TIMINGS as f64;
+        let events = alloc.profile().num_events().max(1);
+        alloc.costs.simulation_seconds_per_event = Some(per / events as f64);
+    }
 
     // Units that may be recomputed; units with activation slots x codecs.
     let recomputable = recomputable_units(alloc, &units);

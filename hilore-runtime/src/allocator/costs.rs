@@ -152,6 +152,12 @@ pub struct CostModel {
     pub seconds_per_cost: Option<f64>,
     /// Running corrections.
     pub corrections: Corrections,
+    /// Seconds one exact simulation of a profile takes per recorded event (measured at
+    /// calibration; [`crate::simulate::Profile::num_events`]), if known. The planner's
+    /// exact searches weigh what a simulation costs against the time it may save: the
+    /// plan's solve is part of the step it plans.
+    #[serde(default)]
+    pub simulation_seconds_per_event: Option<f64>,
 }
 
 impl CostModel {

@@ -338,39 +338,21 @@ impl OnlineAllocator {
             .risk
             .step_budget(self.target_rel_l2, &exposures)
             .unwrap_or(0.0);
-        // Risks of different microbatches add in quadrature (see `risk`), so each size
-        // gets the share of the budget whose squares sum to the whole.
-        let step_sq: f64 = exposures.iter().map(|e| e * e).sum();
         let offer = Offer {
             codecs: self.codecs.clone(),
             recompute: true,
             open_groups: true,
         };
-        // One solve per microbatch size, the step's risk budget shared by exposure.
-        let mut decisions: Vec<Option<Decision>> = vec![None; inputs.len()];
-        let sizes: Vec<(usize, usize)> = self.by_shape.keys().copied().collect();
-        for n in sizes {
-            let members: Vec<usize> = (0..inputs.len())
-                .filter(|&i| inputs[i].shape.profile_key() == n)
-                .collect();
-            if members.is_empty() {
-                continue;
-            }
-            let sq: f64 = members.iter().map(|&i| inputs[i].exposure.powi(2)).sum();
-            let share = if step_sq > 0.0 {
-                risk_budget * (sq / step_sq).sqrt()
-            } else {
-                0.0
-            };
-            let mbs: Vec<MicrobatchInput> = members.iter().map(|&i| inputs[i]).collect();
-            let a = &self.by_shape[&n];
-            let ds = a.plan_step(&mbs, budget_bytes, share, &offer, None)?;
-            for (&i, d) in members.iter().zip(ds) {
-                decisions[i] = Some(d);
-            }
-        }
+        // One solve for the step, each microbatch planned by the allocator of its profile
+        // key, under one risk multiplier over the whole step.
+        let allocs: Vec<&Allocator> = inputs
+            .iter()
+            .map(|m| &self.by_shape[&m.shape.profile_key()])
+            .collect();
+        let decisions =
+            Allocator::plan_step_across(&allocs, &inputs, budget_bytes, risk_budget, &offer, None)?;
         Ok(StepPlan {
-            decisions: decisions.into_iter().map(|d| d.expect("planned")).collect(),
+            decisions,
             budget_bytes,
         })
     }

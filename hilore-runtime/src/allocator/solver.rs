@@ -299,13 +299,62 @@ struct Table {
     units_cap: usize,
     /// `f[g][c]`: least cost of groups `0..=g` in at most `c` buckets.
     f: Vec<Vec<f64>>,
-    /// How group `g` was decided at capacity `c`: `(option, buckets it used)`.
-    arg: Vec<Vec<(u32, u32)>>,
+    /// How group `g` was decided at capacity `c`: `option << 32 | buckets it used`
+    /// ([`pack_arg`]; one 64-bit word, as wide as the costs beside it, so the DP's
+    /// updates compile to vector selects).
+    arg: Vec<Vec<u64>>,
     /// Opened groups: per part, per capacity, the chosen part choice.
-    sub: Vec<Option<Vec<Vec<u32>>>>,
+    sub: Vec<Option<Vec<Vec<u64>>>>,
 }
 
 const NONE: u32 = u32::MAX;
+
+/// A table entry of [`Table::arg`].
+fn pack_arg(option: u32, used: u32) -> u64 {
+    (option as u64) << 32 | used as u64
+}
+
+/// `cur[c] = min(cur[c], prev[c - shift] + cost)` for `c >= shift`, and `arg[c] = word`
+/// where it improves (strictly: the first option tried keeps ties). Written without
+/// branches so that it vectorises (the DP spends most of its time here), on AVX2 where the
+/// CPU has it: every element is computed on its own, so the lanes change no bit.
+fn relax(cur: &mut [f64], arg: &mut [u64], prev: &[f64], shift: usize, cost: f64, word: u64) {
+    #[inline(always)]
+    fn body(cur: &mut [f64], arg: &mut [u64], prev: &[f64], shift: usize, cost: f64, word: u64) {
+        let n = cur.len().min(arg.len());
+        if shift >= n {
+            return;
+        }
+        for ((cv, av), &pv) in cur[shift..n]
+            .iter_mut()
+            .zip(arg[shift..n].iter_mut())
+            .zip(&prev[..n - shift])
+        {
+            let v = pv + cost;
+            let better = v < *cv;
+            *cv = if better { v } else { *cv };
+            *av = if better { word } else { *av };
+        }
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2")]
+    unsafe fn avx2(
+        cur: &mut [f64],
+        arg: &mut [u64],
+        prev: &[f64],
+        shift: usize,
+        cost: f64,
+        word: u64,
+    ) {
+        body(cur, arg, prev, shift, cost, word)
+    }
+    #[cfg(target_arch = "x86_64")]
+    if std::is_x86_feature_detected!("avx2") {
+        // SAFETY: the CPU supports AVX2 (checked just above).
+        return unsafe { avx2(cur, arg, prev, shift, cost, word) };
+    }
+    body(cur, arg, prev, shift, cost, word)
+}
 
 impl Solver {
     /// Checks that `problem` is well formed and that its least-memory selection fits.
@@ -493,20 +542,20 @@ impl Solver {
         let mut prev = vec![0.0f64; n];
         for (g, group) in problem.groups.iter().enumerate() {
             let mut cur = vec![f64::INFINITY; n];
-            let mut a = vec![(NONE, 0u32); n];
+            let mut a = vec![pack_arg(NONE, 0); n];
             for (k, ch) in group.whole.iter().enumerate() {
                 let u = units(ch.bytes, offsets[g]);
                 if u > units_cap {
                     continue;
                 }
-                let cc = cost(ch);
-                for c in u..n {
-                    let v = prev[c - u] + cc;
-                    if v < cur[c] {
-                        cur[c] = v;
-                        a[c] = (k as u32, u as u32);
-                    }
-                }
+                relax(
+                    &mut cur,
+                    &mut a,
+                    &prev,
+                    u,
+                    cost(ch),
+                    pack_arg(k as u32, u as u32),
+                );
             }
             let mut sub_g = None;
             if let Some(o) = &group.opened {
@@ -524,20 +573,13 @@ impl Solver {
                     let mut picks = Vec::with_capacity(o.parts.len());
                     for (p, part) in o.parts.iter().enumerate() {
                         let mut nh = vec![f64::INFINITY; m];
-                        let mut pk = vec![NONE; m];
+                        let mut pk = vec![NONE as u64; m];
                         for (k, ch) in part.iter().enumerate() {
                             let u = units(ch.bytes, part_min[p]);
                             if u >= m {
                                 continue;
                             }
-                            let cc = cost(ch);
-                            for c in u..m {
-                                let v = h[c - u] + cc;
-                                if v < nh[c] {
-                                    nh[c] = v;
-                                    pk[c] = k as u32;
-                                }
-                            }
+                            relax(&mut nh, &mut pk, &h, u, cost(ch), k as u64);
                         }
                         h = nh;
                         picks.push(pk);
@@ -550,13 +592,14 @@ impl Solver {
                         if hj < best {
                             best = hj;
                             let used = j + extra;
-                            for c in used..n {
-                                let v = prev[c - used] + hj;
-                                if v < cur[c] {
-                                    cur[c] = v;
-                                    a[c] = (open_id, used as u32);
-                                }
-                            }
+                            relax(
+                                &mut cur,
+                                &mut a,
+                                &prev,
+                                used,
+                                hj,
+                                pack_arg(open_id, used as u32),
+                            );
                         }
                     }
                     sub_g = Some(picks);
@@ -651,6 +694,37 @@ impl Solver {
         problems: &[Problem],
         risk_budget: f64,
     ) -> std::result::Result<StepSelection, Infeasible> {
+        let mut class_of: Vec<usize> = Vec::with_capacity(problems.len());
+        for (k, p) in problems.iter().enumerate() {
+            let c = (0..k)
+                .find(|&j| same_shape(&problems[j], p))
+                .map_or(k, |j| class_of[j]);
+            class_of.push(c);
+        }
+        self.solve_step_in_classes(problems, risk_budget, &class_of)
+    }
+
+    /// [`Solver::solve_step`] with the frontier classes given: `class_of[k]` names the
+    /// class of problem `k` (any label; problems with equal labels share one frontier).
+    /// A class may hold problems of the same structure ([`same_structure`]: the same
+    /// groups and choices, setting the same fidelities) whose bytes or capacities differ,
+    /// e.g. the microbatches of one step whose profiles differ in their prompt rows: the
+    /// frontier is then computed once, on the member with the most risk, and a member
+    /// whose byte figures differ from it takes the vertices that fit its own capacity in
+    /// its own bytes, besides its own fastest and its own least-risk selection (one DP
+    /// each), instead of a frontier of its own (tens of DPs). Problems of one class that
+    /// do not share the structure are given classes of their own.
+    pub fn solve_step_in_classes(
+        &self,
+        problems: &[Problem],
+        risk_budget: f64,
+        class_of: &[usize],
+    ) -> std::result::Result<StepSelection, Infeasible> {
+        assert_eq!(
+            class_of.len(),
+            problems.len(),
+            "solve_step_in_classes: one class label per problem"
+        );
         let budget = if risk_budget.is_finite() {
             risk_budget.max(0.0)
         } else {
@@ -672,21 +746,26 @@ impl Solver {
                 solves,
             });
         }
-        // Classes of problems with the same byte figures; the member with the most risk
-        // represents its class (a zero-exposure representative has a flat frontier).
+        // Classes: the labels given, split where a member's structure differs from its
+        // class's first member; the member with the most risk represents its class (a
+        // zero-exposure representative has a flat frontier).
         let mut reps: Vec<usize> = Vec::new();
-        let mut class_of = Vec::with_capacity(problems.len());
+        let mut labels: Vec<usize> = Vec::new();
+        let mut class: Vec<usize> = Vec::with_capacity(problems.len());
         for (k, p) in problems.iter().enumerate() {
-            match reps.iter().position(|&r| same_shape(&problems[r], p)) {
+            let found = (0..reps.len())
+                .find(|&c| labels[c] == class_of[k] && same_structure(&problems[reps[c]], p));
+            match found {
                 Some(c) => {
                     if fastest[k].risk > fastest[reps[c]].risk {
                         reps[c] = k;
                     }
-                    class_of.push(c);
+                    class.push(c);
                 }
                 None => {
                     reps.push(k);
-                    class_of.push(reps.len() - 1);
+                    labels.push(class_of[k]);
+                    class.push(reps.len() - 1);
                 }
             }
         }
@@ -696,38 +775,36 @@ impl Solver {
             solves += n;
             frontiers.push(f.into_iter().map(|s| s.picks).collect());
         }
-        // Every member's candidates (seconds, risk) in its own figures; index 0 is its
-        // own fastest selection.
-        let cands: Vec<Vec<(f64, f64)>> = problems
-            .iter()
-            .enumerate()
-            .map(|(k, p)| {
-                std::iter::once((fastest[k].seconds, fastest[k].risk))
-                    .chain(frontiers[class_of[k]].iter().map(|picks| {
-                        let (t, r, _) = p.totals(picks);
-                        (t, r)
-                    }))
-                    .collect()
-            })
-            .collect();
-        let choose = |lambda: f64| -> Vec<usize> {
-            cands
-                .iter()
-                .map(|c| {
-                    let mut best = 0;
-                    for (j, &(t, r)) in c.iter().enumerate() {
-                        let (bt, br) = c[best];
-                        let v = t + lambda * r;
-                        let bv = bt + lambda * br;
-                        if v < bv || (v == bv && r < br) {
-                            best = j;
-                        }
-                    }
-                    best
-                })
-                .collect()
+        // Every member's candidates in its own figures: index 0 is its own fastest
+        // selection, then its class's frontier vertices that fit its capacity, then (for a
+        // member whose byte figures differ from its representative's) its own least-risk
+        // selection.
+        let mut cand_picks: Vec<Vec<Vec<Pick>>> = Vec::with_capacity(problems.len());
+        let mut cands: Vec<Vec<(f64, f64)>> = Vec::with_capacity(problems.len());
+        for (k, p) in problems.iter().enumerate() {
+            let rep = reps[class[k]];
+            let mut picks = vec![fastest[k].picks.clone()];
+            let mut tr = vec![(fastest[k].seconds, fastest[k].risk)];
+            for v in &frontiers[class[k]] {
+                let (t, r, b) = p.totals(v);
+                if b <= p.capacity {
+                    picks.push(v.clone());
+                    tr.push((t, r));
+                }
+            }
+            if fastest[k].risk > 0.0 && !same_shape(&problems[rep], p) {
+                let big = 1e9 * fastest[k].seconds.abs().max(1e-12) / fastest[k].risk;
+                let safe = self.solve_at(p, big)?;
+                solves += 1;
+                tr.push((safe.seconds, safe.risk));
+                picks.push(safe.picks);
+            }
+            cand_picks.push(picks);
+            cands.push(tr);
+        }
+        let sum_at = |cands: &[Vec<(f64, f64)>], ch: &[usize]| -> f64 {
+            ch.iter().zip(cands).map(|(&j, c)| c[j].1).sum()
         };
-        let sum_at = |ch: &[usize]| -> f64 { ch.iter().zip(&cands).map(|(&j, c)| c[j].1).sum() };
         // The least reachable: every microbatch at its least-risk candidate.
         let least: Vec<usize> = cands
             .iter()
@@ -737,44 +814,41 @@ impl Solver {
                     .unwrap_or(0)
             })
             .collect();
-        if sum_at(&least) > budget {
+        if sum_at(&cands, &least) > budget {
             return Err(Infeasible::Risk {
-                min_risk: sum_at(&least),
+                min_risk: sum_at(&cands, &least),
                 budget: risk_budget,
             });
         }
         let t0: f64 = fastest.iter().map(|s| s.seconds).sum();
         let r0: f64 = sum_of(&mut fastest.iter().map(|s| s.risk));
-        let mut hi = t0.abs().max(1e-12) / r0.max(1e-300);
-        let mut best = None;
-        for _ in 0..400 {
-            let c = choose(hi);
-            if sum_at(&c) <= budget {
-                best = Some(c);
+        let (mut hi, mut best) = step_multiplier(&cands, budget, t0, r0, &least);
+        // A member that does not share its representative's byte figures has only part of
+        // its own frontier among its candidates: add its own optimum at the multiplier
+        // found (a vertex of its own frontier, which is what it would take there) and
+        // search the multiplier again, until no member gains a new vertex.
+        let partial: Vec<usize> = (0..problems.len())
+            .filter(|&k| {
+                fastest[k].risk > 0.0 && !same_shape(&problems[reps[class[k]]], &problems[k])
+            })
+            .collect();
+        for _ in 0..STEP_VERTEX_ROUNDS {
+            let mut added = false;
+            for &k in &partial {
+                let v = self.solve_at(&problems[k], hi)?;
+                solves += 1;
+                if !cand_picks[k].contains(&v.picks) {
+                    cands[k].push((v.seconds, v.risk));
+                    cand_picks[k].push(v.picks);
+                    added = true;
+                }
+            }
+            if !added {
                 break;
             }
-            hi *= 4.0;
+            (hi, best) = step_multiplier(&cands, budget, t0, r0, &least);
         }
-        // Past every multiplier tried, fall back to the least-risk candidates (they fit).
-        let mut best = best.unwrap_or(least);
-        let mut lo = 0.0f64;
-        for _ in 0..200 {
-            let mid = if lo == 0.0 {
-                hi / 16.0
-            } else {
-                (lo * hi).sqrt()
-            };
-            let c = choose(mid);
-            if sum_at(&c) <= budget {
-                hi = mid;
-                best = c;
-            } else {
-                lo = mid;
-            }
-            if lo > 0.0 && hi / lo < 1.0 + 1e-9 {
-                break;
-            }
-        }
+        let sum_at = |ch: &[usize]| sum_at(&cands, ch);
         // The multiplier's choice can leave budget unused (the frontier is discrete):
         // spend the slack greedily on the largest time gains. Equal shares
         // (`R_m <= B / M`, the fastest vertex within) are a second feasible start;
@@ -820,7 +894,7 @@ impl Solver {
                 if j == 0 {
                     return fastest[k].clone();
                 }
-                let picks = frontiers[class_of[k]][j - 1].clone();
+                let picks = cand_picks[k][j].clone();
                 let (seconds, risk, bytes) = problems[k].totals(&picks);
                 Selection {
                     picks,
@@ -846,12 +920,82 @@ impl Solver {
     }
 }
 
+/// Rounds of [`Solver::solve_step_in_classes`] that add a member's own vertex at the
+/// multiplier found (each one DP per member whose bytes differ from its class's
+/// representative).
+const STEP_VERTEX_ROUNDS: usize = 8;
+
+/// Every member's candidate minimising `seconds + lambda * risk` (ties to less risk).
+fn choose_at(cands: &[Vec<(f64, f64)>], lambda: f64) -> Vec<usize> {
+    cands
+        .iter()
+        .map(|c| {
+            let mut best = 0;
+            for (j, &(t, r)) in c.iter().enumerate() {
+                let (bt, br) = c[best];
+                let v = t + lambda * r;
+                let bv = bt + lambda * br;
+                if v < bv || (v == bv && r < br) {
+                    best = j;
+                }
+            }
+            best
+        })
+        .collect()
+}
+
+/// The least multiplier (to a ratio of `1 + 1e-9`) whose choice over `cands` meets
+/// `budget` on the summed risks, and that choice; `least` (every member at its least-risk
+/// candidate, which meets it) past every multiplier tried. `t0`, `r0`: the fastest
+/// choice's summed time and risk, which scale the first multiplier tried.
+fn step_multiplier(
+    cands: &[Vec<(f64, f64)>],
+    budget: f64,
+    t0: f64,
+    r0: f64,
+    least: &[usize],
+) -> (f64, Vec<usize>) {
+    let sum_at = |ch: &[usize]| -> f64 { ch.iter().zip(cands).map(|(&j, c)| c[j].1).sum() };
+    let mut hi = t0.abs().max(1e-12) / r0.max(1e-300);
+    let mut best = None;
+    for _ in 0..400 {
+        let c = choose_at(cands, hi);
+        if sum_at(&c) <= budget {
+            best = Some(c);
+            break;
+        }
+        hi *= 4.0;
+    }
+    // Past every multiplier tried, fall back to the least-risk candidates (they fit).
+    let mut best = best.unwrap_or_else(|| least.to_vec());
+    let mut lo = 0.0f64;
+    for _ in 0..200 {
+        let mid = if lo == 0.0 {
+            hi / 16.0
+        } else {
+            (lo * hi).sqrt()
+        };
+        let c = choose_at(cands, mid);
+        if sum_at(&c) <= budget {
+            hi = mid;
+            best = c;
+        } else {
+            lo = mid;
+        }
+        if lo > 0.0 && hi / lo < 1.0 + 1e-9 {
+            break;
+        }
+    }
+    (hi, best)
+}
+
 fn backtrack(problem: &Problem, t: &Table, cap: usize) -> Vec<Pick> {
     let mut picks = vec![Pick::Whole(0); problem.groups.len()];
     let mut c = cap;
     for g in (0..problem.groups.len()).rev() {
         debug_assert!(t.f[g][c].is_finite());
-        let (k, used) = t.arg[g][c];
+        let w = t.arg[g][c];
+        let (k, used) = ((w >> 32) as u32, w as u32);
         let group = &problem.groups[g];
         if (k as usize) < group.whole.len() {
             picks[g] = Pick::Whole(k as usize);
@@ -930,6 +1074,31 @@ pub fn brute_force(problem: &Problem, capacity: i64, risk_budget: f64) -> Option
         }
     }
     best
+}
+
+/// Whether two problems have the same groups and choices, each choice setting the same
+/// fidelities (their bytes, times, risks and capacities may differ): a selection of one
+/// is a selection of the other.
+pub fn same_structure(a: &Problem, b: &Problem) -> bool {
+    let same_choices = |x: &[Choice], y: &[Choice]| {
+        x.len() == y.len() && x.iter().zip(y).all(|(c, d)| c.fidelities == d.fidelities)
+    };
+    a.groups.len() == b.groups.len()
+        && a.groups.iter().zip(&b.groups).all(|(g, h)| {
+            same_choices(&g.whole, &h.whole)
+                && match (&g.opened, &h.opened) {
+                    (None, None) => true,
+                    (Some(o), Some(q)) => {
+                        o.base.fidelities == q.base.fidelities
+                            && o.parts.len() == q.parts.len()
+                            && o.parts
+                                .iter()
+                                .zip(&q.parts)
+                                .all(|(x, y)| same_choices(x, y))
+                    }
+                    _ => false,
+                }
+        })
 }
 
 /// Whether two problems share their choices' bytes and capacity (microbatches of one

@@ -208,34 +208,17 @@ impl<'a> Ctx<'a> {
             }
             Kind::Hilore | Kind::HiloreBlind => {
                 let assumed = (kind == Kind::HiloreBlind).then_some(mean);
-                // One solve per allocator, the step's risk budget shared by exposure in
-                // quadrature (as the training loop's allocator shares it among sizes).
-                let step_sq: f64 = exposures.iter().map(|e| e * e).sum();
-                let mut out: Vec<Option<hilore_runtime::allocator::Decision>> =
-                    vec![None; inputs.len()];
-                for (k, alloc) in self.allocs.iter().enumerate() {
-                    let members: Vec<usize> =
-                        (0..inputs.len()).filter(|&i| self.of[i] == k).collect();
-                    if members.is_empty() {
-                        continue;
-                    }
-                    let sq: f64 = members.iter().map(|&i| exposures[i].powi(2)).sum();
-                    let share = if self.allocs.len() == 1 {
-                        risk_budget
-                    } else if step_sq > 0.0 {
-                        risk_budget * (sq / step_sq).sqrt()
-                    } else {
-                        risk_budget
-                    };
-                    let mbs: Vec<MicrobatchInput> = members.iter().map(|&i| inputs[i]).collect();
-                    let ds = alloc.plan_step(&mbs, total_budget, share, &full, assumed)?;
-                    for (&i, d) in members.iter().zip(ds) {
-                        out[i] = Some(d);
-                    }
-                }
-                out.into_iter()
-                    .map(|d| d.expect("every microbatch has an allocator"))
-                    .collect()
+                // One solve for the step across the allocators (one per profile key): one
+                // risk multiplier over every microbatch, as the training loop plans it.
+                let allocs: Vec<&Allocator> = (0..inputs.len()).map(|i| self.alloc(i)).collect();
+                Allocator::plan_step_across(
+                    &allocs,
+                    &inputs,
+                    total_budget,
+                    risk_budget,
+                    &full,
+                    assumed,
+                )?
             }
         };
         let secs = t0.elapsed().as_secs_f64();

@@ -8,6 +8,7 @@ use super::{
 };
 use crate::Fidelity;
 use crate::{Error, Plan, Result};
+use std::collections::HashMap;
 use std::time::Instant;
 
 impl Allocator {
@@ -40,9 +41,8 @@ impl Allocator {
     /// The steps: (1) per microbatch, the DP capacity whose memory-first plan fits
     /// exactly, or an exact plan where none does or where a selective-shaped one is faster
     /// ([`Allocator::start_microbatch`]); (2) one risk multiplier for the step over every
-    /// microbatch's time-risk frontier ([`Allocator::solve_step_risk`]); (3-5) per
-    /// microbatch, the exact check, the local search and the greedy starts
-    /// ([`Allocator::finish_microbatch`]).
+    /// microbatch's time-risk frontier; (3-5) per microbatch, the exact check, the local
+    /// search and the greedy starts ([`Allocator::finish_microbatch`]).
     pub fn plan_step(
         &self,
         mbs: &[MicrobatchInput],
@@ -51,37 +51,97 @@ impl Allocator {
         offer: &Offer,
         assumed_exposure: Option<f64>,
     ) -> Result<Vec<Decision>> {
+        Allocator::plan_step_across(
+            &vec![self; mbs.len()],
+            mbs,
+            total_budget,
+            risk_budget,
+            offer,
+            assumed_exposure,
+        )
+    }
+
+    /// [`Allocator::plan_step`] for a step whose microbatches have allocators of their
+    /// own: `allocs[k]` plans `mbs[k]` (an allocator per profile key, e.g. the
+    /// microbatches of a shared-prefix step, whose prompt rows differ). The step is
+    /// planned as one, with one risk multiplier over every microbatch, so the risk goes
+    /// where it buys the most time whichever allocator a microbatch has; knapsacks of the
+    /// same structure share one time-risk frontier
+    /// ([`Solver::solve_step_in_classes`](super::super::solver::Solver::solve_step_in_classes)).
+    /// Every decision's predicted peak is its own allocator's exact simulation. The
+    /// allocators must share their fixed state bytes (one model and optimizer); the first
+    /// one's solver settings are used.
+    pub fn plan_step_across(
+        allocs: &[&Allocator],
+        mbs: &[MicrobatchInput],
+        total_budget: usize,
+        risk_budget: f64,
+        offer: &Offer,
+        assumed_exposure: Option<f64>,
+    ) -> Result<Vec<Decision>> {
         let t0 = Instant::now();
-        let avail = self
+        if allocs.len() != mbs.len() {
+            return Err(Error::Tape(format!(
+                "allocator: {} allocators for {} microbatches; give one per microbatch",
+                allocs.len(),
+                mbs.len()
+            )));
+        }
+        let Some(&first) = allocs.first() else {
+            return Ok(Vec::new());
+        };
+        // The distinct allocators in order of first use; `id[k]` is microbatch k's.
+        let mut distinct: Vec<(&Allocator, usize)> = Vec::new();
+        let mut id = Vec::with_capacity(allocs.len());
+        for (k, &a) in allocs.iter().enumerate() {
+            match distinct.iter().position(|&(d, _)| std::ptr::eq(d, a)) {
+                Some(i) => id.push(i),
+                None => {
+                    if a.state != first.state {
+                        return Err(Error::Tape(format!(
+                            "allocator: a step's allocators must share their fixed state bytes ({:?} and {:?}); make them for one model and optimizer",
+                            first.state, a.state
+                        )));
+                    }
+                    distinct.push((a, k));
+                    id.push(distinct.len() - 1);
+                }
+            }
+        }
+        let avail = first
             .activation_budget(total_budget)
-            .ok_or_else(|| self.infeasible_memory(total_budget, offer))? as i64;
+            .ok_or_else(|| first.infeasible_memory(total_budget, offer))?
+            as i64;
         let mut ctx = StepContext {
             mbs,
+            allocs,
             total_budget,
             offer,
             assumed_exposure,
             avail,
             checks: 0,
         };
-        // 1. Per microbatch, where its searches start.
-        let hi0 = avail - self.reference_eof;
-        let mut last_cap: Option<i64> = None;
-        // Selective-recompute-shaped exact plans and whether each fits (byte figures do
-        // not depend on the microbatch, so each is simulated at most once per step).
-        let selective = mbs
-            .first()
-            .map(|mb| self.selective_candidates(offer, mb.shape))
-            .unwrap_or_default();
-        let mut selective_fits: Vec<Option<bool>> = vec![None; selective.len()];
+        // 1. Per microbatch, where its searches start. Per allocator, the capacity found
+        // for its previous microbatch, and the selective-recompute-shaped exact plans and
+        // whether each fits (byte figures do not depend on the microbatch, so each is
+        // simulated at most once per step).
+        let mut last_cap: Vec<Option<i64>> = vec![None; distinct.len()];
+        let selective: Vec<Vec<HashMap<usize, Fidelity>>> = distinct
+            .iter()
+            .map(|&(a, k)| a.selective_candidates(offer, mbs[k].shape))
+            .collect();
+        let mut selective_fits: Vec<Vec<Option<bool>>> =
+            selective.iter().map(|s| vec![None; s.len()]).collect();
         let mut starts = Vec::with_capacity(mbs.len());
-        for mb in mbs {
-            starts.push(self.start_microbatch(
+        for (k, mb) in mbs.iter().enumerate() {
+            let (a, i) = (allocs[k], id[k]);
+            starts.push(a.start_microbatch(
                 &mut ctx,
                 mb,
-                hi0,
-                &mut last_cap,
-                &selective,
-                &mut selective_fits,
+                avail - a.reference_eof,
+                &mut last_cap[i],
+                &selective[i],
+                &mut selective_fits[i],
             )?);
         }
         // 2. Risks add in quadrature (errors of different units and microbatches are
@@ -92,22 +152,25 @@ impl Allocator {
         } else {
             f64::INFINITY
         };
-        let step = self.solve_step_risk(&mut ctx, &mut starts, b2)?;
+        let step = solve_step_risk(&mut ctx, &mut starts, b2)?;
         ctx.checks += step.solves;
         let lambda = step.lambda;
         // 3-5. Per microbatch: exact check, local search, greedy starts.
         let mut out: Vec<Decision> = Vec::with_capacity(mbs.len());
         let mut risks: Vec<f64> = step.selections.iter().map(|s| s.risk).collect();
-        // Exact peaks by plan (byte figures do not depend on the microbatch).
-        let mut peaks = Peaks::default();
-        // Steps 3-5 are a function of the microbatch's shape, exposure and capacity, its
-        // selection and seed, and the risk the others leave it. Microbatches that agree on
-        // all of these (those without exposure, whose choices carry no risk, need not
-        // agree on the last) take the plan found for the first of them.
+        // Exact peaks by plan, per allocator (its byte figures do not depend on the
+        // microbatch).
+        let mut peaks: Vec<Peaks> = vec![Peaks::default(); distinct.len()];
+        // Steps 3-5 are a function of the microbatch's allocator, shape, exposure and
+        // capacity, its selection and seed, and the risk the others leave it.
+        // Microbatches that agree on all of these (those without exposure, whose choices
+        // carry no risk, need not agree on the last) take the plan found for the first of
+        // them.
         let mut planned: Vec<(Replan, usize)> = Vec::new();
         for (k, (start, s)) in starts.into_iter().zip(step.selections).enumerate() {
             let e = assumed_exposure.unwrap_or(mbs[k].exposure);
             let key = Replan {
+                alloc: id[k],
                 shape: mbs[k].shape,
                 capacity: start.problem.capacity,
                 exposure: e.to_bits(),
@@ -126,8 +189,16 @@ impl Allocator {
                 continue;
             }
             planned.push((key, k));
-            let d =
-                self.finish_microbatch(&mut ctx, k, start, s, b2, lambda, &mut risks, &mut peaks)?;
+            let d = allocs[k].finish_microbatch(
+                &mut ctx,
+                k,
+                start,
+                s,
+                b2,
+                lambda,
+                &mut risks,
+                &mut peaks[id[k]],
+            )?;
             out.push(d);
         }
         let per = t0.elapsed().as_secs_f64() / mbs.len().max(1) as f64;
@@ -135,60 +206,6 @@ impl Allocator {
             d.solve_seconds = per;
         }
         Ok(out)
-    }
-
-    /// Step 2 of [`Allocator::plan_step`]: every microbatch's time-risk frontier comes from
-    /// the Lagrangian (one frontier per byte shape, its picks evaluated on each member's
-    /// own times and risks); one multiplier for the step then picks a frontier point per
-    /// microbatch, keeping the summed squared risk within `b2`. Where the DP's fastest
-    /// plans carry too much risk, every microbatch restarts from its exact plan.
-    pub(super) fn solve_step_risk(
-        &self,
-        ctx: &mut StepContext,
-        starts: &mut [Start],
-        b2: f64,
-    ) -> Result<StepSelection> {
-        let infeasible = |e: Infeasible| match e {
-            Infeasible::Risk { min_risk, budget } => Error::InfeasibleRisk {
-                budget: budget.sqrt(),
-                least_risk: sqrt_at_least(min_risk),
-            },
-            e => Error::Tape(e.to_string()),
-        };
-        let mut problems: Vec<Problem> = starts.iter().map(|s| s.problem.clone()).collect();
-        let step = match self.solver.solve_step(&problems, b2) {
-            Ok(step) => step,
-            Err(e @ Infeasible::Risk { .. }) if !ctx.offer.codecs.is_empty() => {
-                // The capacities were searched for the DP's fastest plans; where those
-                // carry too much risk, a plan with less may still fit exactly (e.g. full
-                // recompute at its own peak) that the additive model does not show. Start
-                // every microbatch from the exact (Store / Recompute) plan, which carries
-                // none; the searches of steps 4 and 5 then add compression within the
-                // risk budget.
-                let exact = Offer {
-                    codecs: Vec::new(),
-                    ..ctx.offer.clone()
-                };
-                let Ok(plans) =
-                    self.plan_step(ctx.mbs, ctx.total_budget, f64::INFINITY, &exact, None)
-                else {
-                    return Err(infeasible(e));
-                };
-                for (k, d) in plans.iter().enumerate() {
-                    let assign = self.assignment_of(&d.plan);
-                    let e = ctx.assumed_exposure.unwrap_or(ctx.mbs[k].exposure);
-                    problems[k] = self.fixed_problem(&ctx.mbs[k], e, &assign)?;
-                    starts[k].seed = self.picks_of(&starts[k].full, &assign);
-                    ctx.checks += d.exact_checks;
-                }
-                self.solver.solve_step(&problems, b2).map_err(infeasible)?
-            }
-            Err(e) => return Err(infeasible(e)),
-        };
-        for (s, p) in starts.iter_mut().zip(problems) {
-            s.problem = p;
-        }
-        Ok(step)
     }
 
     /// The decision of a selection `s` of `p` whose exact peak is `peak` (solve seconds
@@ -243,4 +260,65 @@ impl Allocator {
             counts: Vec::new(),
         })
     }
+}
+
+/// Step 2 of [`Allocator::plan_step_across`]: every microbatch's time-risk frontier comes
+/// from the Lagrangian (one frontier per class of knapsacks of the same structure, its
+/// picks evaluated on each member's own times, risks and bytes); one multiplier for the
+/// step then picks a frontier point per microbatch, keeping the summed squared risk
+/// within `b2`. Where the DP's fastest plans carry too much risk, every microbatch
+/// restarts from its exact plan.
+fn solve_step_risk(ctx: &mut StepContext, starts: &mut [Start], b2: f64) -> Result<StepSelection> {
+    let infeasible = |e: Infeasible| match e {
+        Infeasible::Risk { min_risk, budget } => Error::InfeasibleRisk {
+            budget: budget.sqrt(),
+            least_risk: sqrt_at_least(min_risk),
+        },
+        e => Error::Tape(e.to_string()),
+    };
+    let solver = ctx.allocs[0].solver;
+    // One class label for all: the solver splits it by structure.
+    let classes = vec![0; starts.len()];
+    let mut problems: Vec<Problem> = starts.iter().map(|s| s.problem.clone()).collect();
+    let step = match solver.solve_step_in_classes(&problems, b2, &classes) {
+        Ok(step) => step,
+        Err(e @ Infeasible::Risk { .. }) if !ctx.offer.codecs.is_empty() => {
+            // The capacities were searched for the DP's fastest plans; where those
+            // carry too much risk, a plan with less may still fit exactly (e.g. full
+            // recompute at its own peak) that the additive model does not show. Start
+            // every microbatch from the exact (Store / Recompute) plan, which carries
+            // none; the searches of steps 4 and 5 then add compression within the
+            // risk budget.
+            let exact = Offer {
+                codecs: Vec::new(),
+                ..ctx.offer.clone()
+            };
+            let Ok(plans) = Allocator::plan_step_across(
+                ctx.allocs,
+                ctx.mbs,
+                ctx.total_budget,
+                f64::INFINITY,
+                &exact,
+                None,
+            ) else {
+                return Err(infeasible(e));
+            };
+            for (k, d) in plans.iter().enumerate() {
+                let a = ctx.allocs[k];
+                let assign = a.assignment_of(&d.plan);
+                let e = ctx.assumed_exposure.unwrap_or(ctx.mbs[k].exposure);
+                problems[k] = a.fixed_problem(&ctx.mbs[k], e, &assign)?;
+                starts[k].seed = a.picks_of(&starts[k].full, &assign);
+                ctx.checks += d.exact_checks;
+            }
+            solver
+                .solve_step_in_classes(&problems, b2, &classes)
+                .map_err(infeasible)?
+        }
+        Err(e) => return Err(infeasible(e)),
+    };
+    for (s, p) in starts.iter_mut().zip(problems) {
+        s.problem = p;
+    }
+    Ok(step)
 }

@@ -42,11 +42,22 @@
 //! peak still fits and whose risk stays within what the step's risk budget leaves. The
 //! capacity bisection lands where the DP's plan fits, which can be well below the
 //! capacity the additive model offers and leaves part of the budget unused per
-//! microbatch; the search spends it. It is bounded to 32 new simulations per microbatch
+//! microbatch; the search spends it. The plan's solve is part of the step it plans, so
+//! the search pays for itself: a simulation is run only while the predicted time the
+//! search has saved, plus what the change simulated would save, covers the time of every
+//! simulation it has run with this one (calibration measures a simulation's seconds per
+//! profile event, [`CostModel::simulation_seconds_per_event`]; before calibration the
+//! search is not limited this way). It is also bounded to 32 new simulations per call
 //! (most changes it takes come early), a change whose plan did not fit is not simulated
 //! again in the same search, and simulated peaks are shared between the microbatches of
-//! a step (keyed by every instance's fidelity; the simulator takes those directly,
-//! without a [`Plan`]), so it stays a small part of the solve time.
+//! a step that have one allocator (keyed by every instance's fidelity; the simulator
+//! takes those directly, without a [`Plan`]).
+//!
+//! A step whose microbatches have profiles of their own (the shared-prefix layout, whose
+//! microbatches differ in prompt rows) is planned as one by
+//! [`Allocator::plan_step_across`], each microbatch by its own allocator: one risk
+//! multiplier for the whole step, and one time-risk frontier for knapsacks of the same
+//! structure, each member adding its own vertices at the multipliers the step tries.
 //!
 //! The search only moves one group at a time, so it cannot leave the shape of the plan it
 //! starts from. Where the budget is tight the knapsack's plan can be of a slow shape (a
@@ -140,6 +151,7 @@ type Peaks = HashMap<Vec<Fidelity>, usize, foldhash::fast::RandomState>;
 /// 0 for the latter without exposure).
 #[derive(PartialEq)]
 struct Replan {
+    alloc: usize,
     shape: MicrobatchShape,
     capacity: i64,
     exposure: u64,
@@ -152,6 +164,8 @@ struct Replan {
 /// ledger bytes its activations may take, and the exact simulations run so far.
 struct StepContext<'a> {
     mbs: &'a [MicrobatchInput],
+    /// Microbatch `k`'s allocator.
+    allocs: &'a [&'a Allocator],
     total_budget: usize,
     offer: &'a Offer,
     assumed_exposure: Option<f64>,
@@ -376,6 +390,15 @@ impl Allocator {
             plan.set_instance(b.unit, b.call, f);
         }
         plan
+    }
+
+    /// Predicted seconds of one exact simulation of this allocator's profile (0 before
+    /// calibration has measured it): what each step of the planner's exact searches
+    /// costs the step it plans.
+    pub fn simulation_seconds(&self) -> f64 {
+        self.costs
+            .simulation_seconds_per_event
+            .map_or(0.0, |s| s * self.profile.num_events() as f64)
     }
 
     /// The exact ledger peak of a plan.

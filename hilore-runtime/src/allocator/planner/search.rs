@@ -10,7 +10,9 @@ impl Allocator {
     /// the change of one group (another whole choice, opening it, or one part's choice)
     /// that saves the most predicted time among those whose summed squared risk stays
     /// within `risk_cap` and whose exact peak fits. `None` when no change helps. At most
-    /// [`REFINE_SIMULATIONS`] new simulations per call; `peaks` caches them by plan.
+    /// [`REFINE_SIMULATIONS`] new simulations per call, and only while they pay for
+    /// themselves ([`Allocator::simulation_seconds`]: see the module docs); `peaks`
+    /// caches them by plan.
     pub(super) fn refine(
         &self,
         p: &Problem,
@@ -23,6 +25,12 @@ impl Allocator {
         let mut cur = picks.to_vec();
         let mut found: Option<usize> = None;
         let mut sims = 0;
+        // The search pays for itself: a simulation is run only while the time the search
+        // has saved, plus what the change simulated would save, covers every simulation
+        // it has run with this one (so it never costs more than one change's saving over
+        // what it gains).
+        let sim_cost = self.simulation_seconds();
+        let start_seconds = p.totals(&cur).0;
         // Changes whose plan did not fit: the changes taken mostly add bytes, so they are not
         // simulated again.
         let mut failed: std::collections::HashSet<(usize, Pick)> = Default::default();
@@ -66,7 +74,8 @@ impl Allocator {
                 }
             }
             moves.sort_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)));
-            for (_, g, pick) in moves {
+            let gained = start_seconds - p.totals(&cur).0;
+            for (delta, g, pick) in moves {
                 if failed.contains(&(g, pick.clone())) {
                     continue;
                 }
@@ -76,7 +85,11 @@ impl Allocator {
                 let peak = match peaks.get(&key) {
                     Some(&pk) => pk,
                     None => {
-                        if sims >= REFINE_SIMULATIONS {
+                        // Moves are sorted by saving: past the first that cannot pay for its
+                        // simulation, none can.
+                        if sims >= REFINE_SIMULATIONS
+                            || (sims + 1) as f64 * sim_cost > gained - delta
+                        {
                             break 'search;
                         }
                         sims += 1;
