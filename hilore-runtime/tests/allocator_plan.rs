@@ -132,6 +132,7 @@ fn shape() -> MicrobatchShape {
         tokens: N,
         sum_sq_lengths: N * N,
         prompt_rows: 0,
+        logprobs: N,
     }
 }
 

@@ -197,3 +197,74 @@ fn predicted_peak_equals_measured_on_shared_prefix_microbatches() {
     }
     assert!(alloc.is_calibrated());
 }
+
+#[test]
+fn log_probs_are_part_of_the_profile_key() {
+    // Two shared microbatches of the same rows and prompt rows, the second with one more
+    // one-token response (a log-prob and no row): the head saves per log-prob, so their
+    // profiles' byte figures differ and their profile keys must too; planned in one step
+    // (twice: the first calibrates), every predicted peak is the measured one.
+    let cfg = config();
+    let model = Decoder::random(&cfg, 4, &Device::Cpu).unwrap();
+    let vocab = cfg.vocab_size as u64;
+    let mut r = SplitMix64::new(7);
+    let mut seq = |n: usize| -> Vec<u32> { (0..n).map(|_| r.below(vocab) as u32).collect() };
+    let (prompt, a, b) = (seq(20), seq(10), seq(10));
+    let one = seq(1);
+    let batches = [
+        vec![PromptGroup {
+            prompt: prompt.clone(),
+            responses: vec![a.clone(), b.clone()],
+        }],
+        vec![PromptGroup {
+            prompt,
+            responses: vec![a, b, one],
+        }],
+    ];
+    let mut work = TapeWorkload::new(&model);
+    for (k, groups) in batches.iter().enumerate() {
+        let batch = model.shared_batch(groups).unwrap();
+        let n = batch.num_logprobs();
+        let c = normal_vec(n, 0.0, 0.01, 40 + k as u64);
+        work.push(batch, Tensor::from_vec(c, n, &Device::Cpu).unwrap())
+            .unwrap();
+    }
+    let (x, y) = (work.input(0).shape, work.input(1).shape);
+    assert_eq!((x.tokens, x.prompt_rows), (y.tokens, y.prompt_rows));
+    assert_eq!(y.logprobs, x.logprobs + 1);
+    assert_ne!(x.profile_key(), y.profile_key());
+    // The head's own saved bytes (what the profile holds per instance) differ.
+    let mut head_bytes = |i: usize| {
+        let (profile, _) = work.profile(i).unwrap();
+        profile
+            .instances()
+            .into_iter()
+            .find(|b| b.unit == "head")
+            .expect("a head instance")
+            .own_saved_bytes
+    };
+    let (h0, h1) = (head_bytes(0), head_bytes(1));
+    assert!(
+        h1 > h0,
+        "one more log-prob: the head saves {h1} bytes, against {h0}"
+    );
+    let mut grads = Grads::new();
+    let n_params: usize = model
+        .named_params()
+        .iter()
+        .map(|(_, v)| v.elem_count())
+        .sum();
+    let mut alloc = OnlineAllocator::new(
+        StateBytes::adamw_f32(n_params),
+        MemoryBudget::Factor(1.1),
+        1e-2,
+        &["bf16", "fp8-e4m3-b32", "int8-b32"],
+    );
+    for step in 0..2 {
+        let plan = alloc.plan_step(&mut work).unwrap();
+        for (i, d) in plan.decisions.iter().enumerate() {
+            let peak = work.run_into(i, &d.plan, &mut grads).unwrap();
+            assert_eq!(peak, d.predicted_peak_bytes, "step {step} microbatch {i}");
+        }
+    }
+}

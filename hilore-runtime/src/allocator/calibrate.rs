@@ -359,7 +359,7 @@ pub fn calibration_passes(alloc: &Allocator, mbs: usize, codecs: &[&'static str]
 pub fn microbatch_input(packing: &crate::Packing, coefficients: &[f32]) -> MicrobatchInput {
     let exposure = crate::grpo::exposure(coefficients);
     MicrobatchInput {
-        shape: MicrobatchShape::of(packing),
+        shape: MicrobatchShape::of(packing).with_logprobs(coefficients.len()),
         exposure,
     }
 }

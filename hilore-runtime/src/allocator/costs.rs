@@ -28,23 +28,41 @@ pub struct MicrobatchShape {
     /// row-wise units on the prompts' and the responses' rows apart, so two microbatches
     /// of the same rows but other prompt rows can save other bytes per unit instance.
     pub prompt_rows: usize,
+    /// Log-probs the microbatch computes: one per row without shared prefixes; with them,
+    /// a prompt's rows but its last and every response token (a response's first one is
+    /// read from its prompt's last row), so it depends on how many prompts and responses
+    /// the rows hold. A model's head saves what it computes per log-prob.
+    pub logprobs: usize,
 }
 
+/// What a profile's byte figures are exact for ([`MicrobatchShape::profile_key`]): rows,
+/// prompt rows and log-probs.
+pub type ProfileKey = (usize, usize, usize);
+
 impl MicrobatchShape {
-    /// The shape of a packing.
+    /// The shape of a packing, with one log-prob per row (every layout without shared
+    /// prefixes; for a shared-prefix packing give the batch's count with
+    /// [`MicrobatchShape::with_logprobs`]).
     pub fn of(packing: &crate::Packing) -> Self {
         MicrobatchShape {
             tokens: packing.total_tokens(),
             sum_sq_lengths: packing.sum_sq_lengths(),
             prompt_rows: packing.shared_prefix_rows().unwrap_or(0),
+            logprobs: packing.total_tokens(),
         }
     }
 
-    /// What a profile's byte figures are exact for: microbatches of the same rows and
-    /// prompt rows (every saved tensor is linear in the rows of the part it is computed
-    /// on, none depends on how they split into sequences).
-    pub fn profile_key(&self) -> (usize, usize) {
-        (self.tokens, self.prompt_rows)
+    /// The same shape computing `logprobs` log-probs.
+    pub fn with_logprobs(self, logprobs: usize) -> Self {
+        MicrobatchShape { logprobs, ..self }
+    }
+
+    /// What a profile's byte figures are exact for: microbatches of the same rows, prompt
+    /// rows and log-probs (every saved tensor is linear in the rows of the part it is
+    /// computed on, or in the log-probs for the head's, and none depends on how they split
+    /// into sequences).
+    pub fn profile_key(&self) -> ProfileKey {
+        (self.tokens, self.prompt_rows, self.logprobs)
     }
 }
 
@@ -254,6 +272,7 @@ mod tests {
             tokens: n,
             sum_sq_lengths: s,
             prompt_rows: 0,
+            logprobs: n,
         }
     }
 

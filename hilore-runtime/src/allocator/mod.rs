@@ -44,7 +44,7 @@ pub use budget::{MemoryBudget, StateBytes, DEFAULT_BUDGET_FACTOR};
 pub use calibrate::{
     calibrate, calibration_passes, microbatch_input, CalibrationReport, PassResult,
 };
-pub use costs::{CostModel, MicrobatchShape};
+pub use costs::{CostModel, MicrobatchShape, ProfileKey};
 pub use online::{AllocatorState, OnlineAllocator, RiskState, StepPlan};
 pub use planner::{baselines, Allocator, Decision, MicrobatchInput, Offer};
 pub use risk::{RiskModel, DEFAULT_TARGET_REL_L2};

@@ -3,11 +3,13 @@
 //! folds the measured times back into the cost model.
 //!
 //! Byte figures of a profile are exact for microbatches of the profiled token count (and,
-//! in a shared-prefix layout with every prompt first, of the profiled prompt rows:
-//! [`super::MicrobatchShape::profile_key`]), so a training loop that wants exact peaks
-//! pads its microbatches to a few sizes (e.g. the token budget); each new size costs one
-//! profiling pass (a store-all forward and
-//! backward that keeps every tensor: do it where memory allows).
+//! in a shared-prefix layout with every prompt first, of the profiled prompt rows and
+//! log-probs: [`super::MicrobatchShape::profile_key`]), so a training loop that wants
+//! exact peaks pads its microbatches to a few sizes (e.g. the token budget, and with
+//! shared prefixes the prompt rows and log-probs to multiples of a quantum); each new size
+//! costs one profiling pass (a store-all forward and backward that keeps every tensor: do
+//! it where memory allows). A step whose microbatches have several sizes is still planned
+//! as one ([`super::Allocator::plan_step_across`]).
 //!
 //! # Reproducible plans
 //!
@@ -30,7 +32,7 @@
 
 use super::budget::{MemoryBudget, StateBytes};
 use super::calibrate::{calibrate, CalibrationReport};
-use super::costs::CostModel;
+use super::costs::{CostModel, ProfileKey};
 use super::planner::{Allocator, Decision, MicrobatchInput, Offer};
 use super::risk::RiskModel;
 use super::workload::Workload;
@@ -46,13 +48,13 @@ pub struct OnlineAllocator {
     codecs: Vec<&'static str>,
     costs: CostModel,
     risk: RiskModel,
-    by_shape: BTreeMap<(usize, usize), Allocator>,
+    by_shape: BTreeMap<ProfileKey, Allocator>,
     /// Whether costs and risk are calibrated (here or in the run a state was restored
     /// from).
     calibrated: bool,
     /// What this process's calibration measured (none after a restore).
     calibration: Option<CalibrationReport>,
-    gc_peak: BTreeMap<(usize, usize), usize>,
+    gc_peak: BTreeMap<ProfileKey, usize>,
     refresh: bool,
 }
 
@@ -428,6 +430,7 @@ mod tests {
                 tokens: 128,
                 sum_sq_lengths: 2048,
                 prompt_rows: 0,
+                logprobs: 128,
             },
             3.7e-4,
         );

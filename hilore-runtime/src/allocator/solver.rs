@@ -711,20 +711,24 @@ impl Solver {
     /// e.g. the microbatches of one step whose profiles differ in their prompt rows: the
     /// frontier is then computed once, on the member with the most risk, and a member
     /// whose byte figures differ from it takes the vertices that fit its own capacity in
-    /// its own bytes, besides its own fastest and its own least-risk selection (one DP
-    /// each), instead of a frontier of its own (tens of DPs). Problems of one class that
-    /// do not share the structure are given classes of their own.
+    /// its own bytes, its own fastest and least-risk selections, and its own optimum at
+    /// each multiplier the step settles on (searched again after each, until no member
+    /// gains a vertex, at most [`STEP_VERTEX_ROUNDS`] times): a DP per vertex it adds
+    /// instead of a frontier of its own (tens of DPs). Problems of one class that do not
+    /// share the structure are given classes of their own.
     pub fn solve_step_in_classes(
         &self,
         problems: &[Problem],
         risk_budget: f64,
         class_of: &[usize],
     ) -> std::result::Result<StepSelection, Infeasible> {
-        assert_eq!(
-            class_of.len(),
-            problems.len(),
-            "solve_step_in_classes: one class label per problem"
-        );
+        if class_of.len() != problems.len() {
+            return Err(Infeasible::Invalid(format!(
+                "{} class labels for {} problems; give one label per problem",
+                class_of.len(),
+                problems.len()
+            )));
+        }
         let budget = if risk_budget.is_finite() {
             risk_budget.max(0.0)
         } else {
@@ -746,9 +750,8 @@ impl Solver {
                 solves,
             });
         }
-        // Classes: the labels given, split where a member's structure differs from its
-        // class's first member; the member with the most risk represents its class (a
-        // zero-exposure representative has a flat frontier).
+        // Classes: the labels given, split by structure; the member with the most risk
+        // represents its class (a zero-exposure representative has a flat frontier).
         let mut reps: Vec<usize> = Vec::new();
         let mut labels: Vec<usize> = Vec::new();
         let mut class: Vec<usize> = Vec::with_capacity(problems.len());

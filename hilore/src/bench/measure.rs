@@ -8,7 +8,8 @@ use anyhow::Context;
 use candle_core::DType;
 use hilore_models::Decoder;
 use hilore_runtime::allocator::{
-    risk::grad_error, Allocator, MicrobatchInput, Offer, PassResult, StateBytes, Workload,
+    risk::grad_error, Allocator, MicrobatchInput, Offer, PassResult, ProfileKey, StateBytes,
+    Workload,
 };
 use hilore_runtime::{Cx, Grads, MemoryEvent, Plan, TapeTimes, UnitInstanceInfo};
 use indicatif::ProgressBar;
@@ -453,6 +454,52 @@ pub(super) fn set_ratios(rows: &mut [PolicyRow], gc: &PolicyRow) {
 /// calibrated with every unit compressed is the least it may be. Up to two rounds, each
 /// correction clamped to [1, 4]; returns each round's figures.
 #[allow(clippy::too_many_arguments)]
+/// An allocator per profile key of `mbs` ([`MicrobatchShape::profile_key`]: byte figures
+/// are exact per key, and shared-prefix microbatches can differ in prompt rows and
+/// log-probs), each with
+/// `base`'s calibrated costs and risk; a key of `base`'s own profile, `base_key` (if
+/// given), takes a copy of `base`. Returns the allocators and microbatch `i`'s index among them.
+///
+/// [`MicrobatchShape::profile_key`]: hilore_runtime::allocator::MicrobatchShape::profile_key
+pub(super) fn allocators_per_key(
+    model: &Decoder,
+    mbs: &[Microbatch],
+    base: &Allocator,
+    base_key: Option<ProfileKey>,
+    codecs: &[&'static str],
+) -> anyhow::Result<(Vec<Allocator>, Vec<usize>)> {
+    let mut allocs: Vec<Allocator> = Vec::new();
+    let mut keys = Vec::new();
+    let mut of = Vec::with_capacity(mbs.len());
+    for (i, m) in mbs.iter().enumerate() {
+        let key = m.input.shape.profile_key();
+        let k = match keys.iter().position(|&x| x == key) {
+            Some(k) => k,
+            None => {
+                let a = if Some(key) == base_key {
+                    base.clone()
+                } else {
+                    let (profile, instances) = BenchWorkload {
+                        model,
+                        mbs,
+                        bar: &ProgressBar::hidden(),
+                    }
+                    .profile(i)?;
+                    let mut a = Allocator::new(profile, &instances, base.state(), codecs)?;
+                    a.costs = base.costs.clone();
+                    a.risk = base.risk.clone();
+                    a
+                };
+                allocs.push(a);
+                keys.push(key);
+                keys.len() - 1
+            }
+        };
+        of.push(k);
+    }
+    Ok((allocs, of))
+}
+
 pub(super) fn calibrate_step_norm_and_validate(
     allocator: &mut Allocator,
     model: &Decoder,
@@ -492,6 +539,8 @@ pub(super) fn calibrate_step_norm_and_validate(
     // calibrated with every unit compressed is the least it may be. Up to two rounds,
     // each correction clamped to [1, 4].
     let inputs: Vec<MicrobatchInput> = norm_step.iter().map(|m| m.input).collect();
+    // The held-out step is planned as the measured one is: an allocator per profile key.
+    let (mut allocs, of) = allocators_per_key(model, norm_step, allocator, None, codecs)?;
     let offer = Offer {
         codecs: codecs.to_vec(),
         recompute: true,
@@ -501,7 +550,11 @@ pub(super) fn calibrate_step_norm_and_validate(
         let Some(rb) = allocator.risk.step_budget(target_rel_l2, &exposures) else {
             break;
         };
-        let ds = allocator.plan_step(&inputs, budget_bytes, rb, &offer, None)?;
+        for a in &mut allocs {
+            a.risk = allocator.risk.clone();
+        }
+        let per: Vec<&Allocator> = of.iter().map(|&k| &allocs[k]).collect();
+        let ds = Allocator::plan_step_across(&per, &inputs, budget_bytes, rb, &offer, None)?;
         let predicted = ds
             .iter()
             .map(|d| d.predicted_risk * d.predicted_risk)

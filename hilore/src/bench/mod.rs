@@ -5,7 +5,9 @@
 //! profile one store-all pass (the simulator's record) and build the allocator; (3)
 //! calibrate recompute / codec times and `kappa` on the calibration step; (4) plan every
 //! policy (with an allocator per profile key of the step's microbatches: shared-prefix
-//! microbatches of other prompt rows save other bytes per unit instance, each is profiled); (5) run the policies interleaved (every microbatch of policy A, of B, ..., then
+//! microbatches of other prompt rows or log-probs save other bytes per unit instance, each
+//! key is profiled; HiLoRe plans the step as one across them); (5) run the policies
+//! interleaved (every microbatch of policy A, of B, ..., then
 //! again), several repetitions; (6) optionally sweep the memory budget and the risk
 //! target; (7) print the table, write JSON and SVG charts.
 
@@ -20,8 +22,8 @@ mod report;
 use crate::common::progress_bar;
 pub use args::BenchArgs;
 use measure::{
-    calibrate_step_norm_and_validate, load_average, measure, set_ratios, BenchWorkload, PolicyRow,
-    UnsharedReference, UNSHARED_COMPRESS_ALL, UNSHARED_GC,
+    allocators_per_key, calibrate_step_norm_and_validate, load_average, measure, set_ratios,
+    BenchWorkload, PolicyRow, UnsharedReference, UNSHARED_COMPRESS_ALL, UNSHARED_GC,
 };
 use plots::write_plots;
 use policies::{Ctx, Kind, PlannedPolicy};
@@ -218,37 +220,10 @@ pub fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
     );
 
     // Byte figures are exact per profile key (the rows and, with every prompt first, the
-    // prompt rows, which differ between shared microbatches): an allocator per key of the
-    // step, each with the calibrated costs and risk.
-    let mut allocs: Vec<Allocator> = Vec::new();
-    let mut keys = Vec::new();
-    let mut of = Vec::with_capacity(mbs.len());
-    for (i, m) in mbs.iter().enumerate() {
-        let key = m.input.shape.profile_key();
-        let k = match keys.iter().position(|&x| x == key) {
-            Some(k) => k,
-            None if i == 0 => {
-                allocs.push(allocator.clone());
-                keys.push(key);
-                0
-            }
-            None => {
-                let (profile, instances) = BenchWorkload {
-                    model: &model,
-                    mbs: &mbs,
-                    bar: &indicatif::ProgressBar::hidden(),
-                }
-                .profile(i)?;
-                let mut a = Allocator::new(profile, &instances, state, &codecs)?;
-                a.costs = allocator.costs.clone();
-                a.risk = allocator.risk.clone();
-                allocs.push(a);
-                keys.push(key);
-                keys.len() - 1
-            }
-        };
-        of.push(k);
-    }
+    // prompt rows and log-probs, which can differ between shared microbatches): an
+    // allocator per key of the step, each with the calibrated costs and risk.
+    let base_key = mbs[0].input.shape.profile_key();
+    let (allocs, of) = allocators_per_key(&model, &mbs, &allocator, Some(base_key), &codecs)?;
     let ctx = Ctx {
         allocs: &allocs,
         of,

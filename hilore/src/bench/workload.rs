@@ -1,5 +1,6 @@
 //! The benchmark's model and GRPO-like batches.
 
+use crate::train::update::padding_groups;
 use candle_core::{Device, Tensor};
 use hilore_models::rng::SplitMix64;
 use hilore_models::{DecoderConfig, PromptGroup, TokenBatch};
@@ -238,7 +239,9 @@ struct SharedSeq {
 }
 
 /// [`grpo_step`]'s packing with shared prefixes: microbatches of exactly `cap` rows, a
-/// prompt's rows once per microbatch, a padding group with zero coefficients.
+/// prompt's rows once per microbatch, padding with zero coefficients as the training loop
+/// packs it ([`padding_groups`]: the prompt rows to a multiple of a quantum where it can),
+/// of random tokens.
 fn pack_shared(
     cfg: &DecoderConfig,
     seqs: &[SharedSeq],
@@ -262,13 +265,17 @@ fn pack_shared(
     let mut flush = |open: &mut Open| -> anyhow::Result<()> {
         let mut o = std::mem::take(open);
         if o.rows < cap {
-            // A prompt of `pad` rows with a one-token response: `pad` rows and log-probs.
             let pad = cap - o.rows;
-            o.groups.push(PromptGroup {
-                prompt: (0..pad).map(|_| tok_rng.below(vocab) as u32).collect(),
-                responses: vec![vec![tok_rng.below(vocab) as u32]],
-            });
-            o.coeffs.extend(std::iter::repeat_n(0.0, pad));
+            let prompts: usize = o.groups.iter().map(|g| g.prompt.len()).sum();
+            for mut g in padding_groups(pad, prompts, o.coeffs.len(), cap) {
+                for t in g.prompt.iter_mut().chain(g.responses.iter_mut().flatten()) {
+                    *t = tok_rng.below(vocab) as u32;
+                }
+                // Log-probs: the prompt's rows but its last, then every response token.
+                let n = g.prompt.len() - 1 + g.responses.iter().map(Vec::len).sum::<usize>();
+                o.coeffs.extend(std::iter::repeat_n(0.0, n));
+                o.groups.push(g);
+            }
             o.counted += pad;
         }
         let batch = TokenBatch::from_shared_prefixes(&o.groups, cfg, device)?;

@@ -127,6 +127,74 @@ impl FidelityCounts {
     }
 }
 
+/// Prompt rows of a shared-prefix microbatch are padded to a multiple of this many rows
+/// where its padding allows: the allocator's byte figures are exact per profile key (rows
+/// and prompt rows, [`MicrobatchShape::profile_key`]), so a few keys, each profiled once,
+/// then cover the microbatches of a run, and a step's plans share their allocators'
+/// simulations.
+pub const PROMPT_ROW_QUANTUM: usize = 64;
+
+/// The log-probs of a padded shared-prefix microbatch are padded to a multiple of this
+/// many (by one-token responses of the padding prompt, which add a log-prob and no row):
+/// the head saves what it computes per log-prob, so the count is part of the profile key
+/// too.
+pub const LOGPROB_QUANTUM: usize = 16;
+
+/// The padding groups of `pad` rows for a shared-prefix microbatch whose prompts hold
+/// `prompts` rows and which computes `logprobs` log-probs, none longer than `longest` rows
+/// (the longest member's, so each fits the model's positions as it does; a token of 0
+/// each). Where the padding allows, the first group's prompt takes the prompt rows to a
+/// multiple of [`PROMPT_ROW_QUANTUM`] and its responses (each continuing it) hold the rest
+/// of `pad`; otherwise every padding row is a prompt's ([`pad_pieces`], each with a
+/// one-token response: no rows of its own). The last group then gets one-token responses
+/// until the log-probs are a multiple of [`LOGPROB_QUANTUM`].
+pub fn padding_groups(
+    pad: usize,
+    prompts: usize,
+    logprobs: usize,
+    longest: usize,
+) -> Vec<PromptGroup> {
+    if pad == 0 {
+        return Vec::new();
+    }
+    let mut groups = padding_rows(pad, prompts, longest);
+    // A prompt's log-probs: its rows but the last; a response's: every token.
+    let added: usize = groups
+        .iter()
+        .map(|g| g.prompt.len() - 1 + g.responses.iter().map(Vec::len).sum::<usize>())
+        .sum();
+    let extra = (LOGPROB_QUANTUM - (logprobs + added) % LOGPROB_QUANTUM) % LOGPROB_QUANTUM;
+    if let Some(last) = groups.last_mut() {
+        last.responses.extend(std::iter::repeat_n(vec![0], extra));
+    }
+    groups
+}
+
+/// [`padding_groups`]' rows.
+fn padding_rows(pad: usize, prompts: usize, longest: usize) -> Vec<PromptGroup> {
+    let c = PROMPT_ROW_QUANTUM - prompts % PROMPT_ROW_QUANTUM;
+    if c <= pad && c < longest {
+        // Responses of at most `longest - c` rows: positions up to `longest - 1`.
+        let per = longest - c;
+        let rest = pad - c;
+        let mut responses: Vec<Vec<u32>> = vec![vec![0; per + 1]; rest / per];
+        if rest % per > 0 || rest == 0 {
+            responses.push(vec![0; rest % per + 1]);
+        }
+        return vec![PromptGroup {
+            prompt: vec![0; c],
+            responses,
+        }];
+    }
+    pad_pieces(pad, std::iter::once(longest))
+        .into_iter()
+        .map(|c| PromptGroup {
+            prompt: vec![0; c],
+            responses: vec![vec![0]],
+        })
+        .collect()
+}
+
 /// `pad` rows of padding as pieces of at most the longest member's rows (`member_rows`):
 /// each piece then fits the model's positions as that member does (one piece of `pad`
 /// could exceed them, a quantum being larger than a model's context).
@@ -236,15 +304,13 @@ impl Micro {
         }
         if let Some(q) = quantum {
             let pad = rows.div_ceil(q) * q - rows;
-            // A group of a `c`-token prompt and a 1-token response has `c` rows and reads
-            // positions up to `c - 1`.
-            let longest = members.iter().map(|&i| seqs[i].len() - 1);
-            for c in pad_pieces(pad, longest) {
-                groups.push(PromptGroup {
-                    prompt: vec![0; c],
-                    responses: vec![vec![0]],
-                });
-            }
+            let longest = members
+                .iter()
+                .map(|&i| seqs[i].len() - 1)
+                .max()
+                .unwrap_or(pad);
+            let prompts: usize = groups.iter().map(|g| g.prompt.len()).sum();
+            groups.extend(padding_groups(pad, prompts, at, longest.max(1)));
         }
         let batch = model.shared_batch(&groups)?;
         Ok(Micro { batch, targets })
@@ -348,7 +414,7 @@ impl<'a, M: ActorModel> TapeWorkload<'a, M> {
     /// its coefficients).
     pub(crate) fn push_with_exposure(&mut self, batch: TokenBatch, seed: Tensor, exposure: f64) {
         let input = MicrobatchInput {
-            shape: MicrobatchShape::of(&batch.packing),
+            shape: MicrobatchShape::of(&batch.packing).with_logprobs(batch.num_logprobs()),
             exposure,
         };
         self.items.push((batch, seed, input));
@@ -832,6 +898,53 @@ mod tests {
     /// Padding comes in pieces no longer than the longest member, so it fits the model's
     /// positions whenever the members do (in one piece, the zoo test's model of 64
     /// positions got a padding prompt of 93 rows).
+    #[test]
+    fn padding_groups_round_the_prompt_rows_and_fit_the_positions() {
+        let logprobs = |gs: &[PromptGroup]| -> usize {
+            gs.iter()
+                .map(|g| g.prompt.len() - 1 + g.responses.iter().map(Vec::len).sum::<usize>())
+                .sum()
+        };
+        let rows = |gs: &[PromptGroup]| -> (usize, usize, usize) {
+            let p: usize = gs.iter().map(|g| g.prompt.len()).sum();
+            let r: usize = gs
+                .iter()
+                .flat_map(|g| &g.responses)
+                .map(|x| x.len() - 1)
+                .sum();
+            // The longest group: its prompt and its longest response's rows.
+            let most = gs
+                .iter()
+                .map(|g| {
+                    g.prompt.len() + g.responses.iter().map(|x| x.len() - 1).max().unwrap_or(0)
+                })
+                .max()
+                .unwrap_or(0);
+            (p, r, most)
+        };
+        // 100 prompt rows and 93 of padding, members of up to 40 rows: 28 prompt rows
+        // take the prompts to 128, the other 65 go to responses of at most 12 rows.
+        // Every case pads 101 log-probs to a multiple of 16 with one-token responses.
+        let g = padding_groups(93, 100, 101, 40);
+        assert_eq!(rows(&g), (28, 65, 40));
+        assert_eq!((100 + rows(&g).0) % PROMPT_ROW_QUANTUM, 0);
+        assert_eq!((101 + logprobs(&g)) % LOGPROB_QUANTUM, 0);
+        assert!(g[0].responses.iter().all(|r| r.len() - 1 <= 12));
+        // Exactly the rounding: responses of one token (no rows).
+        let g = padding_groups(28, 100, 101, 40);
+        assert_eq!(rows(&g), (28, 0, 28));
+        assert_eq!((101 + logprobs(&g)) % LOGPROB_QUANTUM, 0);
+        // Too little padding to round: every padding row in a prompt, as pad_pieces cuts it.
+        let g = padding_groups(20, 100, 101, 40);
+        assert_eq!(rows(&g), (20, 0, 20));
+        assert_eq!((101 + logprobs(&g)) % LOGPROB_QUANTUM, 0);
+        // A rounding no shorter than the longest member: pieces of 40 in prompts.
+        let g = padding_groups(93, 10, 101, 40);
+        assert_eq!(rows(&g), (93, 0, 40));
+        assert_eq!((101 + logprobs(&g)) % LOGPROB_QUANTUM, 0);
+        assert!(padding_groups(0, 100, 101, 40).is_empty());
+    }
+
     #[test]
     fn padding_pieces_fit_the_longest_member() {
         assert_eq!(pad_pieces(93, [40, 20].into_iter()), [40, 40, 13]);
