@@ -52,6 +52,22 @@ fn config() -> DecoderConfig {
     }
 }
 
+/// The training loop's allocator for `model`: AdamW state, 1.10 x full recompute's peak,
+/// a 1e-2 target, the codecs `hilore train` offers.
+fn online_allocator(model: &Decoder) -> OnlineAllocator {
+    let n_params: usize = model
+        .named_params()
+        .iter()
+        .map(|(_, v)| v.elem_count())
+        .sum();
+    OnlineAllocator::new(
+        StateBytes::adamw_f32(n_params),
+        MemoryBudget::Factor(1.1),
+        1e-2,
+        &["bf16", "fp8-e4m3-b32", "int8-b32"],
+    )
+}
+
 /// The decoder's row-wise units: run on the prompts' rows and the responses' rows apart.
 const ROW_WISE: [&str; 6] = [
     "attn_norm",
@@ -163,17 +179,7 @@ fn prompt_and_response_instances_are_planned_apart() {
 fn predicted_peak_equals_measured_on_shared_prefix_microbatches() {
     let cfg = config();
     let model = Decoder::random(&cfg, 4, &Device::Cpu).unwrap();
-    let n_params: usize = model
-        .named_params()
-        .iter()
-        .map(|(_, v)| v.elem_count())
-        .sum();
-    let mut alloc = OnlineAllocator::new(
-        StateBytes::adamw_f32(n_params),
-        MemoryBudget::Factor(1.1),
-        1e-2,
-        &["bf16", "fp8-e4m3-b32", "int8-b32"],
-    );
+    let mut alloc = online_allocator(&model);
     for step in 0..2u64 {
         let mut work = TapeWorkload::new(&model);
         for (batch, seed) in data(&model, step) {
@@ -249,17 +255,7 @@ fn log_probs_are_part_of_the_profile_key() {
         "one more log-prob: the head saves {h1} bytes, against {h0}"
     );
     let mut grads = Grads::new();
-    let n_params: usize = model
-        .named_params()
-        .iter()
-        .map(|(_, v)| v.elem_count())
-        .sum();
-    let mut alloc = OnlineAllocator::new(
-        StateBytes::adamw_f32(n_params),
-        MemoryBudget::Factor(1.1),
-        1e-2,
-        &["bf16", "fp8-e4m3-b32", "int8-b32"],
-    );
+    let mut alloc = online_allocator(&model);
     for step in 0..2 {
         let plan = alloc.plan_step(&mut work).unwrap();
         for (i, d) in plan.decisions.iter().enumerate() {
