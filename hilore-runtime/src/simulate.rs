@@ -236,35 +236,32 @@ impl Refs {
         (e.0 == 1).then_some(e.1)
     }
 
-    /// Drops a reference to `k`; the bytes it frees, if that was the last one.
-    fn release(&mut self, k: Key) -> Option<usize> {
-        let e = match k {
-            Key::Buf(0, b) => &mut self.buf0[b],
-            Key::Fresh(n) => self.fresh.get_mut(n)?,
-            k => {
-                let e = self.other.get_mut(&k)?;
-                e.0 -= 1;
-                if e.0 > 0 {
-                    return None;
-                }
-                let bytes = e.1;
-                self.other.remove(&k);
-                return Some(bytes);
-            }
-        };
-        if e.0 == 0 {
-            return None;
+    /// The entry of `k`, if it has one (absent ones may have an entry of count 0).
+    fn get(&mut self, k: Key) -> Option<&mut (usize, usize)> {
+        match k {
+            Key::Buf(0, b) => self.buf0.get_mut(b),
+            Key::Fresh(n) => self.fresh.get_mut(n),
+            k => self.other.get_mut(&k),
         }
-        e.0 -= 1;
-        (e.0 == 0).then_some(e.1)
     }
 
-    fn contains(&self, k: Key) -> bool {
-        match k {
-            Key::Buf(0, b) => self.buf0[b].0 > 0,
-            Key::Fresh(n) => self.fresh.get(n).is_some_and(|e| e.0 > 0),
-            k => self.other.contains_key(&k),
+    /// Drops a reference to `k`; the bytes it frees, if that was the last one (a hashed
+    /// entry is then removed, so the map holds only what is alive).
+    fn release(&mut self, k: Key) -> Option<usize> {
+        let e = self.get(k).filter(|e| e.0 > 0)?;
+        e.0 -= 1;
+        if e.0 > 0 {
+            return None;
         }
+        let bytes = e.1;
+        if !matches!(k, Key::Buf(0, _) | Key::Fresh(_)) {
+            self.other.remove(&k);
+        }
+        Some(bytes)
+    }
+
+    fn contains(&mut self, k: Key) -> bool {
+        self.get(k).is_some_and(|e| e.0 > 0)
     }
 }
 

@@ -40,6 +40,15 @@ pub struct PromptGroup {
     pub responses: Vec<Vec<u32>>,
 }
 
+impl PromptGroup {
+    /// The log-probs it adds to a shared-prefix batch: its prompt's tokens but the first
+    /// (each predicted by the row before it), then every response token (a response's
+    /// first one predicted by the prompt's last row).
+    pub fn num_logprobs(&self) -> usize {
+        self.prompt.len().saturating_sub(1) + self.responses.iter().map(Vec::len).sum::<usize>()
+    }
+}
+
 impl TokenBatch {
     /// Packs `seqs` (each at least 2 tokens, every id below `cfg.vocab_size`, at most
     /// `cfg.max_position_embeddings + 1` tokens) with the config's RoPE tables.

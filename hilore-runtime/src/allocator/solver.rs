@@ -643,10 +643,7 @@ impl Solver {
         if fast.risk <= 0.0 {
             return Ok((vec![fast], 0));
         }
-        // A multiplier so large that only risk matters (ties among the least-risk
-        // selections broken by time when that risk is zero).
-        let big = 1e9 * fast.seconds.abs().max(1e-12) / fast.risk;
-        let safe = self.solve_at(problem, big)?;
+        let safe = self.solve_at(problem, risk_only(&fast))?;
         let mut out = vec![fast.clone(), safe.clone()];
         let mut stack = vec![(fast, safe)];
         let mut solves = 1;
@@ -796,8 +793,7 @@ impl Solver {
                 }
             }
             if fastest[k].risk > 0.0 && !same_shape(&problems[rep], p) {
-                let big = 1e9 * fastest[k].seconds.abs().max(1e-12) / fastest[k].risk;
-                let safe = self.solve_at(p, big)?;
+                let safe = self.solve_at(p, risk_only(&fastest[k]))?;
                 solves += 1;
                 tr.push((safe.seconds, safe.risk));
                 picks.push(safe.picks);
@@ -805,9 +801,6 @@ impl Solver {
             cand_picks.push(picks);
             cands.push(tr);
         }
-        let sum_at = |cands: &[Vec<(f64, f64)>], ch: &[usize]| -> f64 {
-            ch.iter().zip(cands).map(|(&j, c)| c[j].1).sum()
-        };
         // The least reachable: every microbatch at its least-risk candidate.
         let least: Vec<usize> = cands
             .iter()
@@ -817,9 +810,9 @@ impl Solver {
                     .unwrap_or(0)
             })
             .collect();
-        if sum_at(&cands, &least) > budget {
+        if risk_of(&cands, &least) > budget {
             return Err(Infeasible::Risk {
-                min_risk: sum_at(&cands, &least),
+                min_risk: risk_of(&cands, &least),
                 budget: risk_budget,
             });
         }
@@ -851,7 +844,7 @@ impl Solver {
             }
             (hi, best) = step_multiplier(&cands, budget, t0, r0, &least);
         }
-        let sum_at = |ch: &[usize]| sum_at(&cands, ch);
+        let sum_at = |ch: &[usize]| risk_of(&cands, ch);
         // The multiplier's choice can leave budget unused (the frontier is discrete):
         // spend the slack greedily on the largest time gains. Equal shares
         // (`R_m <= B / M`, the fastest vertex within) are a second feasible start;
@@ -928,6 +921,19 @@ impl Solver {
 /// representative).
 const STEP_VERTEX_ROUNDS: usize = 8;
 
+/// A multiplier so large that only risk matters against `fast` (a problem's fastest
+/// selection, with risk): ties among the least-risk selections broken by time when that
+/// risk is zero.
+fn risk_only(fast: &Selection) -> f64 {
+    1e9 * fast.seconds.abs().max(1e-12) / fast.risk
+}
+
+/// The summed risk of one candidate per member (`choice[k]` of `cands[k]`, each
+/// `(seconds, risk)`).
+fn risk_of(cands: &[Vec<(f64, f64)>], choice: &[usize]) -> f64 {
+    choice.iter().zip(cands).map(|(&j, c)| c[j].1).sum()
+}
+
 /// Every member's candidate minimising `seconds + lambda * risk` (ties to less risk).
 fn choose_at(cands: &[Vec<(f64, f64)>], lambda: f64) -> Vec<usize> {
     cands
@@ -958,7 +964,7 @@ fn step_multiplier(
     r0: f64,
     least: &[usize],
 ) -> (f64, Vec<usize>) {
-    let sum_at = |ch: &[usize]| -> f64 { ch.iter().zip(cands).map(|(&j, c)| c[j].1).sum() };
+    let sum_at = |ch: &[usize]| risk_of(cands, ch);
     let mut hi = t0.abs().max(1e-12) / r0.max(1e-300);
     let mut best = None;
     for _ in 0..400 {

@@ -271,9 +271,7 @@ fn pack_shared(
                 for t in g.prompt.iter_mut().chain(g.responses.iter_mut().flatten()) {
                     *t = tok_rng.below(vocab) as u32;
                 }
-                // Log-probs: the prompt's rows but its last, then every response token.
-                let n = g.prompt.len() - 1 + g.responses.iter().map(Vec::len).sum::<usize>();
-                o.coeffs.extend(std::iter::repeat_n(0.0, n));
+                o.coeffs.extend(std::iter::repeat_n(0.0, g.num_logprobs()));
                 o.groups.push(g);
             }
             o.counted += pad;

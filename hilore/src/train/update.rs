@@ -128,8 +128,8 @@ impl FidelityCounts {
 }
 
 /// Prompt rows of a shared-prefix microbatch are padded to a multiple of this many rows
-/// where its padding allows: the allocator's byte figures are exact per profile key (rows
-/// and prompt rows, [`MicrobatchShape::profile_key`]), so a few keys, each profiled once,
+/// where its padding allows: the allocator's byte figures are exact per profile key (rows,
+/// prompt rows and log-probs, [`MicrobatchShape::profile_key`]), so a few keys, each profiled once,
 /// then cover the microbatches of a run, and a step's plans share their allocators'
 /// simulations.
 pub const PROMPT_ROW_QUANTUM: usize = 64;
@@ -158,11 +158,7 @@ pub fn padding_groups(
         return Vec::new();
     }
     let mut groups = padding_rows(pad, prompts, longest);
-    // A prompt's log-probs: its rows but the last; a response's: every token.
-    let added: usize = groups
-        .iter()
-        .map(|g| g.prompt.len() - 1 + g.responses.iter().map(Vec::len).sum::<usize>())
-        .sum();
+    let added: usize = groups.iter().map(PromptGroup::num_logprobs).sum();
     let extra = (LOGPROB_QUANTUM - (logprobs + added) % LOGPROB_QUANTUM) % LOGPROB_QUANTUM;
     if let Some(last) = groups.last_mut() {
         last.responses.extend(std::iter::repeat_n(vec![0], extra));
@@ -900,11 +896,8 @@ mod tests {
     /// positions got a padding prompt of 93 rows).
     #[test]
     fn padding_groups_round_the_prompt_rows_and_fit_the_positions() {
-        let logprobs = |gs: &[PromptGroup]| -> usize {
-            gs.iter()
-                .map(|g| g.prompt.len() - 1 + g.responses.iter().map(Vec::len).sum::<usize>())
-                .sum()
-        };
+        let logprobs =
+            |gs: &[PromptGroup]| -> usize { gs.iter().map(PromptGroup::num_logprobs).sum() };
         let rows = |gs: &[PromptGroup]| -> (usize, usize, usize) {
             let p: usize = gs.iter().map(|g| g.prompt.len()).sum();
             let r: usize = gs
