@@ -465,3 +465,36 @@ fn the_local_search_pays_for_its_simulations() {
         "{dear_checks} simulations priced at 1 s, {free_checks} free"
     );
 }
+
+#[test]
+fn the_greedy_starts_pay_for_their_simulations() {
+    // Priced above any time a plan could save (1 s a simulation, against plans of
+    // milliseconds), neither the greedy starts nor the local search simulate anything on
+    // any microbatch of a step; free, they do. Exposures differ, so no microbatch takes
+    // another's plan.
+    let m = model(&Device::Cpu);
+    let free = allocator(&m);
+    let mut dear = allocator(&m);
+    dear.costs.simulation_seconds_per_event = Some(1.0 / dear.profile().num_events() as f64);
+    let (least, _) = free.least_memory(&full()).unwrap();
+    let store = measured_peak(&m, &Plan::store_all());
+    let mbs: Vec<MicrobatchInput> = (1..=6)
+        .map(|k| MicrobatchInput {
+            shape: shape(),
+            exposure: 0.25 * k as f64,
+        })
+        .collect();
+    let mut free_searches = 0;
+    for k in 1..8 {
+        let budget = STATE.total() + least + (store - least) * k / 8;
+        let a = free.plan_step(&mbs, budget, 5e-3, &full(), None).unwrap();
+        let b = dear.plan_step(&mbs, budget, 5e-3, &full(), None).unwrap();
+        for d in &b {
+            assert_eq!(d.search_checks, 0, "budget {k}/8");
+            assert_eq!(measured_peak(&m, &d.plan), d.predicted_peak_bytes);
+            assert!(d.predicted_total_bytes <= budget);
+        }
+        free_searches += a.iter().map(|d| d.search_checks).sum::<usize>();
+    }
+    assert!(free_searches > 0);
+}

@@ -1,8 +1,9 @@
 //! The planner on the benchmark decoder's shapes (4 layers, hidden 192, MLP 512, 896 rows
 //! per microbatch), with fixed costs and sensitivities of the size measured on a 2-core
 //! CPU: at every budget from full recompute's peak up, HiLoRe's plan is at least as fast
-//! (predicted) as the greedy by cost per byte with the same exposure and risk budget, and
-//! its predicted peak is the simulator's and within the budget.
+//! (predicted) as the greedy by cost per byte with the same exposure and risk budget (the
+//! simulations are not priced here, so every greedy start runs), and its predicted peak is
+//! the simulator's and within the budget.
 
 use candle_core::{Device, Tensor};
 use hilore_models::{plans, Decoder, DecoderConfig, TokenBatch};

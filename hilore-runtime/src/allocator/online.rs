@@ -461,6 +461,7 @@ mod tests {
             lambda: 0.0,
             solve_seconds: 0.0,
             exact_checks: 0,
+            search_checks: 0,
             counts: Vec::new(),
         }
     }

@@ -500,6 +500,9 @@ pub(super) fn allocators_per_key(
     Ok((allocs, of))
 }
 
+/// Held-out steps [`calibrate_step_norm_and_validate`] plans and measures at most.
+pub(super) const VALIDATION_ROUNDS: usize = 4;
+
 pub(super) fn calibrate_step_norm_and_validate(
     allocator: &mut Allocator,
     model: &Decoder,
@@ -536,8 +539,10 @@ pub(super) fn calibrate_step_norm_and_validate(
     // the step's gradient error, and tighten the risk budget when the measured error
     // exceeds the target (errors of different units are not quite independent, so the
     // quadrature sum can fall short for some plan mixes). It only tightens: the scale
-    // calibrated with every unit compressed is the least it may be. Up to two rounds,
-    // each correction clamped to [1, 4].
+    // calibrated with every unit compressed is the least it may be. Each correction is
+    // clamped to [1, 4] and planned and measured again, so the scale the policies plan
+    // with is one whose held-out plan met the target, unless VALIDATION_ROUNDS rounds
+    // did not reach it (the report shows every round).
     let inputs: Vec<MicrobatchInput> = norm_step.iter().map(|m| m.input).collect();
     // The held-out step is planned as the measured one is: an allocator per profile key.
     let (mut allocs, of) = allocators_per_key(model, norm_step, allocator, None, codecs)?;
@@ -546,7 +551,7 @@ pub(super) fn calibrate_step_norm_and_validate(
         recompute: true,
         open_groups: true,
     };
-    for _ in 0..2 {
+    for _ in 0..VALIDATION_ROUNDS {
         let Some(rb) = allocator.risk.step_budget(target_rel_l2, &exposures) else {
             break;
         };

@@ -149,7 +149,10 @@ pub fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
     // recompute on the kappa microbatch), additivity, the remaining recompute timings; then
     // the held-out step's passes.
     let cal_passes = calibration_passes(&allocator, cal_mbs.len(), &codecs);
-    let cal_bar = bar(cal_passes + 3 * norm_step.len(), "calibrating");
+    let cal_bar = bar(
+        cal_passes + (1 + measure::VALIDATION_ROUNDS) * norm_step.len(),
+        "calibrating",
+    );
     let cal_report = {
         let mut runner = BenchWorkload {
             model: &model,

@@ -120,6 +120,7 @@ impl Allocator {
             assumed_exposure,
             avail,
             checks: 0,
+            starts: Default::default(),
         };
         // 1. Per microbatch, where its searches start. Per allocator, the capacity found
         // for its previous microbatch, and the selective-recompute-shaped exact plans and
@@ -239,6 +240,7 @@ impl Allocator {
             lambda: s.lambda,
             solve_seconds: 0.0,
             exact_checks: checks,
+            search_checks: 0,
             counts,
         }
     }
@@ -257,6 +259,7 @@ impl Allocator {
             lambda: 0.0,
             solve_seconds: 0.0,
             exact_checks: 1,
+            search_checks: 0,
             counts: Vec::new(),
         })
     }

@@ -67,9 +67,14 @@
 //! `seconds + lambda * risk` per byte saved, with the step's multiplier `lambda` and with
 //! none (the Adacc-style order), within the risk the step leaves the microbatch, until the
 //! exact peak fits (bisected along the greedy's path, a few simulations); the fastest of
-//! the searched plans is kept. For one microbatch the planner's plan is therefore never
-//! slower, by its own cost model, than the greedy's with the same exposure and risk
-//! budget.
+//! the searched plans is kept. The starts pay for themselves across the step: each kind
+//! (with the multiplier, without it) runs on a microbatch only while its simulations so
+//! far in the step, with one more, are covered by what it has saved the step's plans plus
+//! the most it could save this one (the plan's whole predicted seconds); a kind that finds
+//! no faster plans stops after costing about one microbatch's overhead. Before
+//! calibration prices simulations every start runs, and the planner's plan for one
+//! microbatch is never slower, by its own cost model, than the greedy's with the same
+//! exposure and risk budget.
 //!
 //! The capacities are searched for the DP's fastest plans, ignoring the risk. When no DP
 //! plan within them meets the risk budget (a tight budget, compression that costs next to
@@ -138,6 +143,9 @@ pub struct Decision {
     pub solve_seconds: f64,
     /// Exact simulations run while solving.
     pub exact_checks: usize,
+    /// Of the exact simulations, those this microbatch's searches ran (its local search
+    /// and its greedy starts), which run only while they pay for themselves.
+    pub search_checks: usize,
     /// Unit instances per fidelity, in the order of the fidelities' names.
     pub counts: Vec<(Fidelity, usize)>,
 }
@@ -171,6 +179,19 @@ struct StepContext<'a> {
     assumed_exposure: Option<f64>,
     avail: i64,
     checks: usize,
+    /// The greedy starts' account over the step, per kind (with the step's multiplier,
+    /// without it).
+    starts: [StartAccount; 2],
+}
+
+/// What one kind of greedy start has cost a step so far (its exact simulations, priced by
+/// [`Allocator::simulation_seconds`]) and what it has saved (predicted seconds of the
+/// plans it bettered), so the starts pay for themselves across the step as the local
+/// search does within a microbatch.
+#[derive(Debug, Default, Clone, Copy)]
+struct StartAccount {
+    spent: f64,
+    saved: f64,
 }
 
 /// Where a microbatch's searches start (step 1 of [`Allocator::plan_step`]): the problem

@@ -368,6 +368,7 @@ impl Allocator {
         } else {
             f64::INFINITY
         };
+        let searches_from = *checks;
         if let Some(picks) = seed.filter(|_| tries == 0) {
             // The fixed plan fitted as it was: search from it in the full problem.
             s = full.selection(picks, s.lambda);
@@ -384,26 +385,47 @@ impl Allocator {
         // risk), walked down from every instance stored until the exact peak fits, then
         // searched the same way. They reach plans of another shape than the knapsack's
         // (many instances compressed where the budget is tight); the fastest is kept.
+        // They pay for themselves across the step: a start runs while what its kind has
+        // cost the step's microbatches so far, with one more simulation, is covered by
+        // what it has saved them plus the most it could save this one (the plan's whole
+        // predicted seconds); so a kind that does not find faster plans costs the step at
+        // most about one microbatch's overhead. Before calibration prices simulations
+        // every start runs.
+        let sim_cost = self.simulation_seconds();
         let mut lambdas = vec![lambda];
         if lambda > 0.0 {
             lambdas.push(0.0);
         }
-        for l in lambdas {
+        for (kind, l) in lambdas.into_iter().enumerate() {
+            let account = ctx.starts[kind];
+            if account.spent + sim_cost > account.saved + s.seconds {
+                continue;
+            }
+            let before = *checks;
             let cap = (risk_cap, l);
-            let Some((gpicks, gpeak)) = self.greedy(&full, avail, cap, true, peaks, checks)? else {
+            let found = match self.greedy(&full, avail, cap, true, peaks, checks)? {
+                Some((gpicks, gpeak)) => Some(
+                    self.refine(&full, &gpicks, avail, risk_cap, peaks, checks)?
+                        .unwrap_or((gpicks, gpeak)),
+                ),
+                None => None,
+            };
+            let account = &mut ctx.starts[kind];
+            account.spent += (*checks - before) as f64 * sim_cost;
+            let Some((gpicks, gpeak)) = found else {
                 continue;
             };
-            let (gpicks, gpeak) = self
-                .refine(&full, &gpicks, avail, risk_cap, peaks, checks)?
-                .unwrap_or((gpicks, gpeak));
             let g = full.selection(gpicks, lambda);
             if g.seconds < s.seconds - 1e-9 {
+                account.saved += s.seconds - g.seconds;
                 s = g;
                 q = full.clone();
                 risks[k] = s.risk;
                 peak = gpeak;
             }
         }
-        Ok(self.decision("hilore", &q, &s, peak, *checks))
+        let mut d = self.decision("hilore", &q, &s, peak, *checks);
+        d.search_checks = *checks - searches_from;
+        Ok(d)
     }
 }
