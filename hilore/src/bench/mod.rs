@@ -83,19 +83,30 @@ pub fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
     // Two calibration microbatches with different squared lengths and nonzero exposure,
     // from a separate step (redrawn with the next seed while none has any exposure).
     let mut cal_mbs: Vec<Microbatch> = Vec::new();
-    // The first of those steps, whole: its exact gradient calibrates the step's
-    // gradient norm against its microbatches' exposures.
-    let mut norm_step: Vec<Microbatch> = Vec::new();
     for k in 0..32u64 {
         let step = grpo_step(&cfg, spec, args.seed.wrapping_add(1001 + k), &device)?;
-        if norm_step.is_empty() && step.iter().any(|m| m.input.exposure > 0.0) {
-            norm_step = step.clone();
-        }
         cal_mbs.extend(step.into_iter().filter(|m| m.input.exposure > 0.0));
         if cal_mbs.len() >= 2 {
             break;
         }
     }
+    // A held-out step, drawn apart from the calibration microbatches (a step's
+    // microbatches share prompts, so one that held the kappa microbatch would validate
+    // the sensitivities on the data they were fitted to): its exact gradient calibrates
+    // the step's gradient norm against its microbatches' exposures, and its planned
+    // error validates the risk budget's scale.
+    let mut norm_step: Vec<Microbatch> = Vec::new();
+    for k in 0..32u64 {
+        let step = grpo_step(&cfg, spec, args.seed.wrapping_add(2001 + k), &device)?;
+        if step.iter().any(|m| m.input.exposure > 0.0) {
+            norm_step = step;
+            break;
+        }
+    }
+    anyhow::ensure!(
+        !norm_step.is_empty(),
+        "32 held-out steps drew no microbatch with nonzero exposure"
+    );
     cal_mbs.sort_by_key(|m| m.input.shape.sum_sq_lengths);
     let cal_mbs: Vec<Microbatch> = match cal_mbs.len() {
         0 => anyhow::bail!("32 calibration steps drew no microbatch with nonzero exposure"),
