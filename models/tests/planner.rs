@@ -200,3 +200,52 @@ fn the_decoders_gradient_checkpointing_is_the_baseline() {
         a.simulate_peak(&decoder).unwrap()
     );
 }
+
+/// Microbatches of one allocator in a step start their searches from the plan the
+/// previous one ended with where that is faster for them (its exact peak is theirs too):
+/// without exposure (no risk), each microbatch's plan is at least as fast, by the cost
+/// model at its own shape, as the previous microbatch's plan. The shapes differ only in
+/// their squared sequence lengths, so only attention's recompute time differs between
+/// them, and no microbatch takes another's plan unplanned.
+#[test]
+fn a_microbatch_is_no_slower_than_the_previous_ones_plan() {
+    let (a, shape) = allocator();
+    let offer = Offer {
+        codecs: CODECS.to_vec(),
+        recompute: true,
+        open_groups: true,
+    };
+    let gc = a.simulate_peak(&plans::gradient_checkpointing()).unwrap() + a.state().total();
+    let mbs: Vec<MicrobatchInput> = (0..6)
+        .map(|k| MicrobatchInput {
+            shape: MicrobatchShape {
+                sum_sq_lengths: shape.sum_sq_lengths + 4096 * k,
+                ..shape
+            },
+            exposure: 0.0,
+        })
+        .collect();
+    for factor in [1.0, 1.05, 1.1, 1.25] {
+        let budget = (gc as f64 * factor) as usize;
+        let ds = a.plan_step(&mbs, budget, 0.0, &offer, None).unwrap();
+        for (k, d) in ds.iter().enumerate() {
+            assert!(d.predicted_total_bytes <= budget);
+            assert_eq!(a.simulate_peak(&d.plan).unwrap(), d.predicted_peak_bytes);
+            let own = a.plan_seconds(&d.plan, mbs[k].shape);
+            // Sums of at most 40 f64 costs, in different orders: 1e-9 relative covers
+            // their rounding.
+            assert!(
+                (own - d.predicted_seconds).abs() <= 1e-9 * own,
+                "factor {factor}, microbatch {k}: {own:e} s by plan_seconds, {:e} s predicted",
+                d.predicted_seconds
+            );
+            if k > 0 {
+                let previous = a.plan_seconds(&ds[k - 1].plan, mbs[k].shape);
+                assert!(
+                    own <= previous * (1.0 + 1e-9),
+                    "factor {factor}, microbatch {k}: {own:e} s, the previous plan {previous:e} s"
+                );
+            }
+        }
+    }
+}

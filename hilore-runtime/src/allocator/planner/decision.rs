@@ -162,6 +162,8 @@ impl Allocator {
         // Exact peaks by plan, per allocator (its byte figures do not depend on the
         // microbatch).
         let mut peaks: Vec<Peaks> = vec![Peaks::default(); distinct.len()];
+        // Per allocator, the plan its previous microbatch ended with (a warm start).
+        let mut warm: Vec<Option<HashMap<usize, Fidelity>>> = vec![None; distinct.len()];
         // Steps 3-5 are a function of the microbatch's allocator, shape, exposure and
         // capacity, its selection and seed, and the risk the others leave it.
         // Microbatches that agree on all of these (those without exposure, whose choices
@@ -199,6 +201,7 @@ impl Allocator {
                 lambda,
                 &mut risks,
                 &mut peaks[id[k]],
+                &mut warm[id[k]],
             )?;
             out.push(d);
         }

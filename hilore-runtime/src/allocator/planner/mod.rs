@@ -37,7 +37,10 @@
 //! budget either.
 //!
 //! Last, an exact local search ([`Allocator`]'s `refine`) starts from each microbatch's
-//! plan and applies, one at a time, the change of one group (another whole choice, opening
+//! plan (or from the plan the step's previous microbatch of the same allocator ended
+//! with, where that is faster for this one and within the risk left: its exact peak is
+//! known, being this microbatch's too, and so are most of the peaks its search tries)
+//! and applies, one at a time, the change of one group (another whole choice, opening
 //! it, or one child's fidelity) that saves the most predicted time among those whose exact
 //! peak still fits and whose risk stays within what the step's risk budget leaves. The
 //! capacity bisection lands where the DP's plan fits, which can be well below the

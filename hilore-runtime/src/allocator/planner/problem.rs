@@ -285,6 +285,13 @@ impl Allocator {
             .collect()
     }
 
+    /// Predicted recompute, encode and decode seconds of `plan` on a microbatch of
+    /// `shape`, by the cost model (what a [`Decision`](super::Decision)'s
+    /// `predicted_seconds` is for the plan it chose).
+    pub fn plan_seconds(&self, plan: &Plan, shape: MicrobatchShape) -> f64 {
+        self.assignment_seconds(&self.assignment_of(plan), shape)
+    }
+
     /// Predicted seconds of an exact plan (`assign`: instance -> fidelity, Store where
     /// absent) on a microbatch of `shape`.
     pub(super) fn assignment_seconds(

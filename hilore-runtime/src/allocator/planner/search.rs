@@ -4,6 +4,7 @@
 use super::super::solver::{Choice, Pick, Problem, Selection};
 use super::{others_risk, Allocator, Decision, Peaks, Start, StepContext, REFINE_SIMULATIONS};
 use crate::{Error, Fidelity, Result};
+use std::collections::HashMap;
 
 impl Allocator {
     /// Exact local search from `picks` (whose exact peak fits `avail`): repeatedly apply
@@ -302,6 +303,7 @@ impl Allocator {
         lambda: f64,
         risks: &mut [f64],
         peaks: &mut Peaks,
+        warm: &mut Option<HashMap<usize, Fidelity>>,
     ) -> Result<Decision> {
         let (avail, total_budget) = (ctx.avail, ctx.total_budget);
         let Start {
@@ -374,6 +376,22 @@ impl Allocator {
             s = full.selection(picks, s.lambda);
             q = full.clone();
         }
+        // A warm start: the plan the step's previous microbatch of this allocator ended
+        // with, where it is faster for this one and within the risk left. Its exact peak
+        // is this microbatch's too (byte figures do not depend on the microbatch), so it
+        // is known, and so are most of its neighbours' the search tries.
+        if let Some(w) = warm.as_ref().and_then(|a| self.picks_of(&full, a)) {
+            let w = full.selection(w, s.lambda);
+            if w.seconds < s.seconds - 1e-9 && w.risk <= risk_cap {
+                let wpeak = self.cached_peak(&full, &w.picks, peaks, checks)?;
+                if wpeak as i64 <= avail {
+                    s = w;
+                    q = full.clone();
+                    risks[k] = s.risk;
+                    peak = wpeak;
+                }
+            }
+        }
         let refined = self.refine(&q, &s.picks, avail, risk_cap, peaks, checks)?;
         if let Some((picks, rpeak)) = refined {
             s = q.selection(picks, s.lambda);
@@ -424,6 +442,13 @@ impl Allocator {
                 peak = gpeak;
             }
         }
+        *warm = Some(
+            self.fids_of(&q, &s.picks)
+                .into_iter()
+                .enumerate()
+                .filter(|(_, f)| *f != Fidelity::Store)
+                .collect(),
+        );
         let mut d = self.decision("hilore", &q, &s, peak, *checks);
         d.search_checks = *checks - searches_from;
         Ok(d)
