@@ -437,6 +437,14 @@ fn infeasible_risk_names_the_least_risk_that_fits() {
     );
 }
 
+/// [`allocator`] with every exact simulation priced at 1 s (far above what any change of
+/// these plans, of milliseconds, could save).
+fn dear_allocator(m: &Model) -> Allocator {
+    let mut a = allocator(m);
+    a.costs.simulation_seconds_per_event = Some(1.0 / a.profile().num_events() as f64);
+    a
+}
+
 #[test]
 fn the_local_search_pays_for_its_simulations() {
     // With simulations that cost nothing the exact searches run as far as their bound;
@@ -445,8 +453,7 @@ fn the_local_search_pays_for_its_simulations() {
     // it still fits and is still measured as predicted.
     let m = model(&Device::Cpu);
     let free = allocator(&m);
-    let mut dear = allocator(&m);
-    dear.costs.simulation_seconds_per_event = Some(1.0 / dear.profile().num_events() as f64);
+    let dear = dear_allocator(&m);
     assert_eq!(dear.simulation_seconds(), 1.0);
     let (least, _) = free.least_memory(&full()).unwrap();
     let store = measured_peak(&m, &Plan::store_all());
@@ -474,8 +481,7 @@ fn the_greedy_starts_pay_for_their_simulations() {
     // another's plan.
     let m = model(&Device::Cpu);
     let free = allocator(&m);
-    let mut dear = allocator(&m);
-    dear.costs.simulation_seconds_per_event = Some(1.0 / dear.profile().num_events() as f64);
+    let dear = dear_allocator(&m);
     let (least, _) = free.least_memory(&full()).unwrap();
     let store = measured_peak(&m, &Plan::store_all());
     let mbs: Vec<MicrobatchInput> = (1..=6)

@@ -90,14 +90,19 @@ fn allocator_with_codec_scale(codec_scale: f64) -> (Allocator, MicrobatchShape) 
     (a, shape)
 }
 
-#[test]
-fn never_slower_than_the_greedy_by_cost_per_byte() {
-    let (a, shape) = allocator();
-    let offer = Offer {
+/// Every codec, recompute and opened groups.
+fn every_fidelity() -> Offer {
+    Offer {
         codecs: CODECS.to_vec(),
         recompute: true,
         open_groups: true,
-    };
+    }
+}
+
+#[test]
+fn never_slower_than_the_greedy_by_cost_per_byte() {
+    let (a, shape) = allocator();
+    let offer = every_fidelity();
     let gc = a.simulate_peak(&plans::gradient_checkpointing()).unwrap() + a.state().total();
     let store = a.simulate_peak(&Plan::store_all()).unwrap() + a.state().total();
     assert!(gc < store);
@@ -146,11 +151,7 @@ fn never_slower_than_the_greedy_by_cost_per_byte() {
 #[test]
 fn a_tight_risk_budget_starts_from_an_exact_plan() {
     let (a, shape) = allocator_with_codec_scale(1e-9);
-    let offer = Offer {
-        codecs: CODECS.to_vec(),
-        recompute: true,
-        open_groups: true,
-    };
+    let offer = every_fidelity();
     let gc = a.simulate_peak(&plans::gradient_checkpointing()).unwrap() + a.state().total();
     for factor in [1.0, 1.05, 1.1] {
         let budget = (gc as f64 * factor) as usize;
@@ -210,11 +211,7 @@ fn the_decoders_gradient_checkpointing_is_the_baseline() {
 #[test]
 fn a_microbatch_is_no_slower_than_the_previous_ones_plan() {
     let (a, shape) = allocator();
-    let offer = Offer {
-        codecs: CODECS.to_vec(),
-        recompute: true,
-        open_groups: true,
-    };
+    let offer = every_fidelity();
     let gc = a.simulate_peak(&plans::gradient_checkpointing()).unwrap() + a.state().total();
     let mbs: Vec<MicrobatchInput> = (0..6)
         .map(|k| MicrobatchInput {
