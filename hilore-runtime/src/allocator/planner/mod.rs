@@ -146,8 +146,9 @@ pub struct Decision {
     pub solve_seconds: f64,
     /// Exact simulations run while solving.
     pub exact_checks: usize,
-    /// Of the exact simulations, those this microbatch's searches ran (its local search
-    /// and its greedy starts), which run only while they pay for themselves.
+    /// Of the exact simulations, those this microbatch's searches ran: at most one to
+    /// check a warm start (none when its peak is already known), and those of its local
+    /// search and greedy starts, which run only while they pay for themselves.
     pub search_checks: usize,
     /// Unit instances per fidelity, in the order of the fidelities' names.
     pub counts: Vec<(Fidelity, usize)>,
