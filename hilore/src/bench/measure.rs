@@ -445,20 +445,11 @@ pub(super) fn set_ratios(rows: &mut [PolicyRow], gc: &PolicyRow) {
     }
 }
 
-/// Calibrates the allocator's gradient-norm scale on a whole held-out step `norm_step`
-/// (microbatch gradients partly cancel: GRPO advantages are centred per group), then
-/// validates the risk model there: plans the step at the main budget and target, measures
-/// the step's gradient error, and tightens the risk budget when the measured error
-/// exceeds the target (errors of different units are not quite independent, so the
-/// quadrature sum can fall short for some plan mixes). It only tightens: the scale
-/// calibrated with every unit compressed is the least it may be. Up to two rounds, each
-/// correction clamped to [1, 4]; returns each round's figures.
-#[allow(clippy::too_many_arguments)]
 /// An allocator per profile key of `mbs` ([`MicrobatchShape::profile_key`]: byte figures
 /// are exact per key, and shared-prefix microbatches can differ in prompt rows and
-/// log-probs), each with
-/// `base`'s calibrated costs and risk; a key of `base`'s own profile, `base_key` (if
-/// given), takes a copy of `base`. Returns the allocators and microbatch `i`'s index among them.
+/// log-probs), each with `base`'s calibrated costs and risk; a key of `base`'s own
+/// profile, `base_key` (if given), takes a copy of `base`. Returns the allocators and
+/// microbatch `i`'s index among them.
 ///
 /// [`MicrobatchShape::profile_key`]: hilore_runtime::allocator::MicrobatchShape::profile_key
 pub(super) fn allocators_per_key(
@@ -503,6 +494,15 @@ pub(super) fn allocators_per_key(
 /// Held-out steps [`calibrate_step_norm_and_validate`] plans and measures at most.
 pub(super) const VALIDATION_ROUNDS: usize = 4;
 
+/// Calibrates the allocator's gradient-norm scale on a whole held-out step `norm_step`
+/// (microbatch gradients partly cancel: GRPO advantages are centred per group), then
+/// validates the risk model there: plans the step at the main budget and target, measures
+/// the step's gradient error, and tightens the risk budget when the measured error
+/// exceeds the target (errors of different units are not quite independent, so the
+/// quadrature sum can fall short for some plan mixes). It only tightens: the scale
+/// calibrated with every unit compressed is the least it may be. Up to
+/// [`VALIDATION_ROUNDS`] rounds, each correction clamped to [1, 4] and planned and
+/// measured again; returns each round's figures.
 pub(super) fn calibrate_step_norm_and_validate(
     allocator: &mut Allocator,
     model: &Decoder,
@@ -536,13 +536,10 @@ pub(super) fn calibrate_step_norm_and_validate(
     let exposures: Vec<f64> = norm_step.iter().map(|m| m.input.exposure).collect();
     allocator.risk.calibrate_step_norm(norm, &exposures);
     // Validation on the held-out step: plan it at the main budget and target, measure
-    // the step's gradient error, and tighten the risk budget when the measured error
-    // exceeds the target (errors of different units are not quite independent, so the
-    // quadrature sum can fall short for some plan mixes). It only tightens: the scale
-    // calibrated with every unit compressed is the least it may be. Each correction is
-    // clamped to [1, 4] and planned and measured again, so the scale the policies plan
-    // with is one whose held-out plan met the target, unless VALIDATION_ROUNDS rounds
-    // did not reach it (the report shows every round).
+    // the step's gradient error, and tighten the risk budget when it exceeds the target
+    // (see above), until a round meets it: the scale the policies plan with is then one
+    // whose held-out plan met the target, unless VALIDATION_ROUNDS rounds did not reach
+    // it (the report shows every round).
     let inputs: Vec<MicrobatchInput> = norm_step.iter().map(|m| m.input).collect();
     // The held-out step is planned as the measured one is: an allocator per profile key.
     let (mut allocs, of) = allocators_per_key(model, norm_step, allocator, None, codecs)?;

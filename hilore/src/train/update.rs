@@ -891,9 +891,8 @@ mod tests {
         (g.grads, packs, rep)
     }
 
-    /// Padding comes in pieces no longer than the longest member, so it fits the model's
-    /// positions whenever the members do (in one piece, the zoo test's model of 64
-    /// positions got a padding prompt of 93 rows).
+    /// The padding rounds the prompt rows to the quantum where it can and the log-probs
+    /// always, and no padding group is longer than the longest member.
     #[test]
     fn padding_groups_round_the_prompt_rows_and_fit_the_positions() {
         let logprobs =
@@ -938,6 +937,9 @@ mod tests {
         assert!(padding_groups(0, 100, 101, 40).is_empty());
     }
 
+    /// Padding comes in pieces no longer than the longest member, so it fits the model's
+    /// positions whenever the members do (in one piece, the zoo test's model of 64
+    /// positions got a padding prompt of 93 rows).
     #[test]
     fn padding_pieces_fit_the_longest_member() {
         assert_eq!(pad_pieces(93, [40, 20].into_iter()), [40, 40, 13]);

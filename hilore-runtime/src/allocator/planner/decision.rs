@@ -165,10 +165,11 @@ impl Allocator {
         // Per allocator, the plan its previous microbatch ended with (a warm start).
         let mut warm: Vec<Option<HashMap<usize, Fidelity>>> = vec![None; distinct.len()];
         // Steps 3-5 are a function of the microbatch's allocator, shape, exposure and
-        // capacity, its selection and seed, and the risk the others leave it.
-        // Microbatches that agree on all of these (those without exposure, whose choices
-        // carry no risk, need not agree on the last) take the plan found for the first of
-        // them.
+        // capacity, its selection and seed, the risk the others leave it, and the warm
+        // start its allocator's previous microbatch left. Microbatches that agree on all
+        // of these but the last (those without exposure, whose choices carry no risk,
+        // need not agree on the risk left either) take the plan found for the first of
+        // them: the same problem's plan, which fits them as it fitted it.
         let mut planned: Vec<(Replan, usize)> = Vec::new();
         for (k, (start, s)) in starts.into_iter().zip(step.selections).enumerate() {
             let e = assumed_exposure.unwrap_or(mbs[k].exposure);
